@@ -1,0 +1,32 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install poslsh into it.
+VENV    ?= .venv
+PYTHON  ?= python3
+# The CPU build of torch; on this kind of machine pip takes it from a local file.
+TORCH   ?= torch==2.13.0
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.poslsh-installed
+
+.PHONY: setup demo test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[all]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/poslsh demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) benchmarks/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,75 @@
+"""Input checks shared by every attention entry point: bad input fails here,
+with a message that names the problem, never deep inside torch."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class AttnShape(NamedTuple):
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+    v_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (GQA); query head h uses kv head h // group."""
+        return self.q_heads // self.kv_heads
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
+    """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [batch, heads, seqlen, head_dim], got {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, n, d = q.shape
+    Bk, Hkv, nk, dk = k.shape
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in [batch, heads, seqlen], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if Bk != B:
+        raise ValueError(f"batch size of q ({B}) and k/v ({Bk}) differ")
+    if nk != n:
+        raise ValueError(f"q has seqlen {n} but k/v have {nk}: self-attention needs equal lengths")
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) and k ({dk}) differ")
+    if n < 1:
+        raise ValueError("seqlen must be >= 1")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for grouped-query attention")
+    return AttnShape(B, Hq, Hkv, n, d, v.shape[-1])
+
+
+def check_scale(scale: Optional[float], head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_heads(partitions, num_heads: int) -> None:
+    if partitions.num_heads != num_heads:
+        raise ValueError(
+            f"partitions were built for {partitions.num_heads} heads but q has {num_heads} query heads")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

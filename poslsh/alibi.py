@@ -1,0 +1,81 @@
+"""ALiBi (Press et al., 2021): slopes, dense bias and the kernel matrix L*.
+
+ALiBi adds ``-slope_h * |i - j|`` to the attention logits of head ``h``; in the
+paper's notation the attention weights are multiplied by
+``L*_ij = exp(-|i - j| / sigma_h)`` with ``sigma_h = 1 / slope_h``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix"]
+
+
+def _power_of_two_slopes(num_heads: int) -> list[float]:
+    start = 2.0 ** (-(2.0 ** -(math.log2(num_heads) - 3)))
+    return [start * start**i for i in range(num_heads)]
+
+
+def _slopes(num_heads: int) -> list[float]:
+    if math.log2(num_heads).is_integer():
+        return _power_of_two_slopes(num_heads)
+    # Press et al.: take the slopes of the closest smaller power of two, then
+    # interleave every other slope of the next power of two for the remainder.
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return _power_of_two_slopes(closest) + _slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
+    """ALiBi slopes ``m_h`` for ``num_heads`` heads, shape ``[num_heads]``.
+
+    For a power of two ``H`` the slopes are the geometric series
+    ``2^(-8/H), 2^(-16/H), ..., 2^(-8)``; other head counts use the interleaved
+    rule of the reference implementation (e.g. 12 heads -> the 8-head series plus
+    every other slope of the 16-head series).
+    """
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    return torch.tensor(_slopes(num_heads), dtype=dtype, device=device)
+
+
+def alibi_sigmas(num_heads: int, *, device=None) -> Tensor:
+    """Per-head bandwidths ``sigma_h = 1 / m_h`` (float64, shape ``[num_heads]``)."""
+    return 1.0 / alibi_slopes(num_heads, device=device)
+
+
+def _as_1d(values, name: str) -> Tensor:
+    t = values if isinstance(values, Tensor) else torch.as_tensor(values, dtype=torch.float64)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor of per-head values, got shape {tuple(t.shape)}")
+    return t
+
+
+def alibi_bias(n: int, slopes, *, causal: bool = False, dtype: torch.dtype = torch.float32,
+               device=None) -> Tensor:
+    """Dense additive ALiBi bias, shape ``[H, n, n]``: ``-m_h * |i - j|``.
+
+    With ``causal=True`` the entries above the diagonal are ``-inf``. This is a
+    dense ``n x n`` tensor: meant for references, tests and baselines.
+    """
+    slopes = _as_1d(slopes, "slopes")
+    device = slopes.device if device is None else device
+    pos = torch.arange(n, device=device, dtype=torch.float64)
+    dist = (pos[:, None] - pos[None, :]).abs()
+    bias = -slopes.to(device=device, dtype=torch.float64)[:, None, None] * dist
+    if causal:
+        bias = bias.masked_fill(torch.ones(n, n, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    return bias.to(dtype)
+
+
+def alibi_matrix(n: int, sigma, *, device=None) -> Tensor:
+    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]``."""
+    sigma = _as_1d(sigma, "sigma").to(torch.float64)
+    device = sigma.device if device is None else device
+    pos = torch.arange(n, device=device, dtype=torch.float64)
+    dist = (pos[:, None] - pos[None, :]).abs()
+    return torch.exp(-dist / sigma.to(device)[:, None, None])

@@ -1,0 +1,1 @@
+"""Experiments: each module is one reproducible job behind a CLI subcommand."""

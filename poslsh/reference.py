@@ -1,0 +1,75 @@
+"""Dense oracles: exact ALiBi attention and approximate attention with the
+empirical mean mask ``M~``. Both materialise ``[B, H, n, n]`` scores; every fast
+path is tested against them in float64.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._validation import check_heads, check_qkv, check_scale, compute_dtype
+from .alibi import _as_1d, alibi_bias
+from .partitions import Partitions
+
+__all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention_with_bias"]
+
+
+def dense_attention_with_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool = False,
+                              scale: Optional[float] = None) -> Tensor:
+    """``softmax(q k^T * scale + bias) v`` with GQA, computed densely.
+
+    Args:
+        q: ``[B, Hq, n, d]``; k: ``[B, Hkv, n, d]``; v: ``[B, Hkv, n, dv]``.
+        bias: additive logits bias broadcastable to ``[B, Hq, n, n]`` (``-inf`` masks).
+    Returns:
+        ``[B, Hq, n, dv]`` in ``q.dtype`` (computed in float32, or float64 for float64 input).
+    """
+    shape = check_qkv(q, k, v)
+    scale = check_scale(scale, shape.head_dim)
+    ct = compute_dtype(q.dtype)
+    kx = k.to(ct).repeat_interleave(shape.group, dim=1)
+    vx = v.to(ct).repeat_interleave(shape.group, dim=1)
+    scores = torch.matmul(q.to(ct), kx.transpose(-1, -2)) * scale + bias.to(ct)
+    if causal:
+        n = shape.seqlen
+        upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vx).to(q.dtype)
+
+
+def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = False,
+                    scale: Optional[float] = None) -> Tensor:
+    """Exact ALiBi attention: ``softmax(q k^T * scale - m_h |i - j|) v``.
+
+    Args:
+        q: ``[B, Hq, n, d]``; k, v: ``[B, Hkv, n, d]`` / ``[B, Hkv, n, dv]`` (Hq a multiple of Hkv).
+        slopes: ``[Hq]`` ALiBi slopes ``m_h = 1 / sigma_h`` (see :func:`poslsh.alibi_slopes`).
+        causal: mask keys after the query.
+        scale: logit scale, default ``1 / sqrt(d)``.
+    Returns:
+        ``[B, Hq, n, dv]``. Dense ``O(n^2)`` memory: a reference, not a fast path.
+    """
+    shape = check_qkv(q, k, v)
+    slopes = _as_1d(slopes, "slopes")
+    if slopes.numel() != shape.q_heads:
+        raise ValueError(f"got {slopes.numel()} slopes for {shape.q_heads} query heads")
+    if not bool(torch.isfinite(slopes).all()) or bool((slopes < 0).any()):
+        raise ValueError("ALiBi slopes must be finite and >= 0")
+    bias = alibi_bias(shape.seqlen, slopes.to(q.device), dtype=torch.float64, device=q.device)
+    return dense_attention_with_bias(q, k, v, bias, causal=causal, scale=scale)
+
+
+def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
+                               causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """Approximate ALiBi attention with the mean mask ``M~`` (paper section 4), densely.
+
+    ``T~_i = sum_k A_ik M~_ik v_k / sum_k A_ik M~_ik``, i.e. one softmax with the
+    additive bias ``log(count_ik)`` where ``count_ik`` is the number of samples in
+    which ``i`` and ``k`` share a block (``-inf`` where it is 0).
+    """
+    shape = check_qkv(q, k, v)
+    check_heads(partitions, shape.q_heads)
+    count = partitions.to(q.device).dense_count(shape.seqlen).to(torch.float64)
+    return dense_attention_with_bias(q, k, v, torch.log(count), causal=causal, scale=scale)
