@@ -14,7 +14,9 @@ __all__ = ["poslsh_attention", "available_backends", "register_backend"]
 
 # name -> (is_available(q) -> bool, fn(q, k, v, partitions, shape, causal, scale) -> out)
 _BACKENDS: Dict[str, tuple] = {}
-# Preference order for backend="auto"; the first available one wins.
+# Preference order for backend="auto": the first available one wins. The Triton
+# kernel is only auto-selected for CUDA tensors (on CPU it runs only under the
+# interpreter, TRITON_INTERPRET=1, for tests).
 _AUTO_ORDER = ["triton", "torch"]
 
 
@@ -84,7 +86,8 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
     scale = check_scale(scale, shape.head_dim)
     _load_optional_backends()
     if backend == "auto":
-        backend = next(name for name in _AUTO_ORDER if name in _BACKENDS and _BACKENDS[name][0](q))
+        backend = next(name for name in _AUTO_ORDER if name in _BACKENDS and _BACKENDS[name][0](q)
+                       and (name != "triton" or q.is_cuda))
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {sorted(_BACKENDS)}")
     is_available, fn = _BACKENDS[backend]
