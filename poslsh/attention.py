@@ -26,11 +26,9 @@ def register_backend(name: str, fn: Callable, is_available: Callable[[Tensor], b
 
 
 def _torch_backend(q, k, v, partitions, shape: AttnShape, causal: bool, scale: float) -> Tensor:
-    from .ops.schedule import build_schedule
-    from .ops.torch_impl import PoslshTorchFunction
+    from .ops import torch_impl
 
-    groups = build_schedule(partitions.blocks(shape.seqlen), causal=causal)
-    return PoslshTorchFunction.apply(q, k, v, groups, shape, causal, scale)
+    return torch_impl.attention(q, k, v, partitions, shape, causal, scale)
 
 
 def _reference_backend(q, k, v, partitions, shape, causal, scale) -> Tensor:

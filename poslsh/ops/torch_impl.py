@@ -1,68 +1,137 @@
 """Portable near-linear positional-LSH attention in plain PyTorch (CPU and CUDA).
 
 The estimator (paper section 4) is
-``T~_i = sum_t sum_{k in block_t(i)} e^{s_ik} v_k / sum_t sum_{k in block_t(i)} e^{s_ik}``:
-a sum of numerators over a sum of denominators across the ``s`` samples. We
-compute it as an online log-sum-exp merge of short block attentions:
+``T~_i = sum_t sum_{k in block_t(i)} e^{s_ik} v_k / sum_t sum_{k in block_t(i)} e^{s_ik}``
+= ``sum_k count_ik e^{s_ik} v_k / sum_k count_ik e^{s_ik}``, where ``count_ik`` is
+the number of samples in which ``i`` and ``k`` share a block: one softmax with
+weights multiplied by ``count`` (bias ``log count``), so every score is computed
+once, not once per sample.
 
-* The work is a list of padded *units* (see :mod:`poslsh.ops.schedule`); one
-  chunk of same-size units is a single batched matmul, however many heads and
-  samples it spans.
-* Every unit returns a row max ``m``, a row sum ``l`` and an unnormalised output;
-  they are merged into per-position accumulators with ``scatter_reduce``/
-  ``index_add_`` (flash-attention's rescaling, done per position, not per tile).
-* Backward recomputes the scores chunk by chunk from the saved ``out`` and the
-  merged ``lse`` (flash-attention 2's backward with the global normaliser), so
-  memory stays ``O(n (d + s))`` plus one bounded chunk: no ``n x n`` tensor.
+Work is cut into *query tiles* of ``T`` rows of one head. The blocks containing
+a row are contiguous and their starts/ends are non-decreasing along the
+sequence, so the union of all samples' blocks touching a tile is one key range
+``[lo, hi)``; tiles are grouped by padded range width and each group is a single
+batched matmul over all heads and tiles (no Python loop over heads x samples).
+``count`` for a tile is built with a difference array: +1 at each row's block
+start and -1 at its end (``min(end, i + 1)`` when causal), then a cumulative
+sum, i.e. ``O(s)`` scatters per row plus one pass, instead of ``s`` comparisons
+per score. Rows are owned by exactly one tile, so outputs are written once.
+
+Backward is flash-attention 2's with the count-weighted probabilities,
+recomputed tile by tile from the saved ``lse``: memory ``O(n (d + s))`` plus one
+bounded chunk, never an ``n x n`` tensor.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator, List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
-from .schedule import UnitGroup
+from ..partitions import Partitions
 
-# Score elements (batch x units x size x size) per chunk: bounds transient memory
-# (a few such buffers live at once) while keeping batched matmuls large.
+# Score elements (batch x tiles x T x R) per chunk: bounds transient memory
+# (a few such buffers live at once) while keeping the batched matmuls large.
 CHUNK_ELEMENTS = 1 << 22
 
 
+class RowBounds(NamedTuple):
+    """Per (head, sample, position): the block of the position, as ``[start, end)``.
+    ``end`` is cut to ``position + 1`` for causal attention. int64 ``[H, s, n]``."""
+
+    start: Tensor
+    end: Tensor
+
+
+class TileGroup(NamedTuple):
+    """Query tiles of ``tile`` rows whose key range is padded to ``width``; ``[U]`` each."""
+
+    tile: int
+    width: int
+    head: Tensor     # query head
+    q0: Tensor       # first query row
+    k0: Tensor       # first key of the range
+
+
+def row_bounds(partitions: Partitions, n: int, causal: bool, device) -> RowBounds:
+    blk = partitions.blocks(n)
+    H, s = partitions.num_heads, partitions.num_samples
+    start = torch.repeat_interleave(blk.start, blk.length).view(H, s, n)
+    end = torch.repeat_interleave(blk.start + blk.length, blk.length).view(H, s, n)
+    if causal:
+        end = torch.minimum(end, torch.arange(1, n + 1, device=end.device))
+    return RowBounds(start.to(device), end.to(device))
+
+
+def _pad_width(r: Tensor) -> Tensor:
+    """Round key-range widths up to a coarse grid (<= 25% padding) so few groups form."""
+    q = torch.clamp(2 ** (torch.log2(r.double().clamp(min=1)).floor().long() - 2), min=16)
+    return (r + q - 1) // q * q
+
+
+def plan_tiles(bounds: RowBounds, n: int, tile: int) -> List[TileGroup]:
+    """Cut every head into query tiles and group them by padded key-range width."""
+    H = bounds.start.shape[0]
+    dev = bounds.start.device
+    q0 = torch.arange(0, n, tile, device=dev)
+    last = torch.clamp(q0 + tile, max=n) - 1
+    lo = bounds.start[:, :, q0].amin(1)                  # [H, tiles]: starts grow along rows
+    hi = bounds.end[:, :, last].amax(1)                  # ends grow along rows
+    width = _pad_width(hi - lo)
+    head = torch.arange(H, device=dev)[:, None].expand_as(lo)
+    q0 = q0[None].expand_as(lo)
+    width, head, q0, lo = width.reshape(-1), head.reshape(-1), q0.reshape(-1), lo.reshape(-1)
+    groups = []
+    for w in torch.unique(width).tolist():
+        sel = width == w
+        groups.append(TileGroup(tile, int(w), head[sel], q0[sel], lo[sel]))
+    return groups
+
+
+def choose_tile(n: int) -> int:
+    return 64 if n >= 64 else max(1, 1 << math.ceil(math.log2(n)))
+
+
 class Chunk(NamedTuple):
-    """Index tensors for one chunk of units of equal padded size."""
-
-    q_idx: Tensor     # [U*P] flat index into [Hq*n] rows (padding rows clamped to a valid row)
-    out_idx: Tensor   # [U*P] same, but padding rows point to the sink row Hq*n
-    kv_idx: Tensor    # [U*P] flat index into [Hkv*n] rows (padding clamped)
-    q_valid: Tensor   # [U, P] bool
-    mask: Tensor      # [U, P, P] bool, True where the key is attended
+    rows: Tensor       # [U*T] flat query rows into [Hq*n] (clamped in range)
+    out_rows: Tensor   # [U*T] same, rows past n go to the sink row Hq*n
+    kv_rows: Tensor    # [U*R] flat key rows into [Hkv*n] (clamped in range)
+    log_count: Tensor  # [U, T, R] log(#samples in which query and key share a block), -inf if none
     units: int
-    size: int
+    tile: int
+    width: int
 
 
-def iter_chunks(groups: List[UnitGroup], shape: AttnShape, causal: bool, device) -> Iterator[Chunk]:
+def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct) -> Iterator[Chunk]:
     n, Hq, group = shape.seqlen, shape.q_heads, shape.group
+    H, s, _ = bounds.start.shape
+    # [H*n, s] layouts: one index_select fetches a row's block bounds in all samples.
+    start_rows = bounds.start.transpose(1, 2).reshape(H * n, s)
+    end_rows = bounds.end.transpose(1, 2).reshape(H * n, s)
     for g in groups:
-        P = g.size
-        per_chunk = max(1, CHUNK_ELEMENTS // (shape.batch * P * P))
-        ar = torch.arange(P, device=device)
-        for lo in range(0, len(g), per_chunk):
-            sl = slice(lo, lo + per_chunk)
-            head, qs, ql, ks, kl = (t[sl].to(device) for t in (g.head, g.q_start, g.q_len, g.k_start, g.k_len))
-            qpos = qs[:, None] + ar
-            kpos = ks[:, None] + ar
-            q_valid = ar < ql[:, None]
-            k_valid = ar < kl[:, None]
-            mask = k_valid[:, None, :].expand(-1, P, -1)
-            if causal:
-                mask = mask & (kpos[:, None, :] <= qpos[:, :, None])
-            qrow = head[:, None] * n + torch.minimum(qpos, (qs + ql - 1)[:, None])
-            out_idx = torch.where(q_valid, qrow, torch.full_like(qrow, Hq * n))
-            kvrow = (head // group)[:, None] * n + torch.minimum(kpos, (ks + kl - 1)[:, None])
-            yield Chunk(qrow.reshape(-1), out_idx.reshape(-1), kvrow.reshape(-1), q_valid,
-                        mask.contiguous(), head.numel(), P)
+        T, R = g.tile, g.width
+        per_chunk = max(1, CHUNK_ELEMENTS // (shape.batch * T * R))
+        dev = g.head.device
+        ar_t, ar_r = torch.arange(T, device=dev), torch.arange(R, device=dev)
+        for lo in range(0, g.head.numel(), per_chunk):
+            head, q0, k0 = g.head[lo:lo + per_chunk], g.q0[lo:lo + per_chunk], g.k0[lo:lo + per_chunk]
+            U = head.numel()
+            pos = q0[:, None] + ar_t                                   # [U, T]
+            rows = head[:, None] * n + pos.clamp(max=n - 1)
+            out_rows = torch.where(pos < n, rows, torch.full_like(rows, Hq * n)).reshape(-1)
+            rows = rows.reshape(-1)
+            keys = (k0[:, None] + ar_r).clamp(max=n - 1)
+            kv_rows = ((head // group)[:, None] * n + keys).reshape(-1)
+            base = k0.repeat_interleave(T)[:, None]
+            rel_start = start_rows.index_select(0, rows) - base       # [U*T, s], >= 0
+            rel_end = (end_rows.index_select(0, rows) - base).clamp_(max=R)
+            diff = torch.zeros(U * T, R + 1, dtype=ct, device=dev)
+            one = torch.ones((), dtype=ct, device=dev).expand(rel_start.shape)
+            diff.scatter_add_(1, rel_start, one).scatter_add_(1, rel_end, -one)
+            log_count = diff.cumsum_(1)[:, :R].log_().view(U, T, R)
+            yield Chunk(rows, out_rows, kv_rows, log_count, U, T, R)
 
 
 def _gather(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
@@ -75,81 +144,78 @@ def _flat(x: Tensor, ct: torch.dtype) -> Tensor:
     return x.to(ct).reshape(B, H * n, d)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[UnitGroup], shape: AttnShape,
-            causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    """Returns ``out [B, Hq, n, dv]`` (in ``q.dtype``) and ``lse [B, Hq, n]`` (float32/64)."""
+def _biased_scores(Qg: Tensor, Kg: Tensor, log_count: Tensor, scale: float) -> Tensor:
+    """``scale * Q K^T + log count`` as ``[B, U, T, R]`` (-inf where no sample shares a block)."""
+    B, U, T, d = Qg.shape
+    R = Kg.shape[2]
+    if B == 1:  # fuse the bias into the matmul
+        return torch.baddbmm(log_count, Qg[0], Kg[0].transpose(-1, -2), alpha=scale)[None]
+    return torch.matmul(Qg, Kg.transpose(-1, -2)).mul_(scale).add_(log_count)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: RowBounds, shape: AttnShape,
+            scale: float, need_lse: bool = True) -> Tuple[Tensor, Tensor]:
+    """Returns ``out [B, Hq, n, dv]`` (in ``q.dtype``) and ``lse [B, Hq, n]`` (float32/64;
+    left uninitialised when ``need_lse`` is False)."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
-    rows = Hq * n + 1                      # + a sink row that absorbs padding rows
-    acc = torch.zeros(B, rows, shape.v_dim, dtype=ct, device=q.device)
-    l_run = torch.zeros(B, rows, dtype=ct, device=q.device)
-    m_run = torch.full((B, rows), float("-inf"), dtype=ct, device=q.device)
-    for c in iter_chunks(groups, shape, causal, q.device):
-        Qg = _gather(qf, c.q_idx, c.units, c.size)
-        Kg = _gather(kf, c.kv_idx, c.units, c.size)
-        Vg = _gather(vf, c.kv_idx, c.units, c.size)
-        s = torch.matmul(Qg, Kg.transpose(-1, -2)).mul_(scale)
-        s.masked_fill_(~c.mask, float("-inf"))
-        m = s.amax(-1)                                         # finite: every row sees a key
-        p = torch.exp_(s.sub_(m[..., None]))
-        l = p.sum(-1)
-        o = torch.matmul(p, Vg)
-        # Online merge per position: rescale the accumulators to the new running max.
-        m_flat = m.reshape(B, -1)
-        idx = c.out_idx.expand(B, -1)
-        m_new = m_run.scatter_reduce(1, idx, m_flat, reduce="amax", include_self=True)
-        alpha = torch.exp(m_run - m_new).nan_to_num_(0.0)       # -inf - -inf rows: nothing yet
-        acc.mul_(alpha[..., None])
-        l_run.mul_(alpha)
-        w = torch.exp(m_flat - m_new.gather(1, idx))
-        acc.index_add_(1, c.out_idx, o.reshape(B, -1, shape.v_dim) * w[..., None])
-        l_run.index_add_(1, c.out_idx, l.reshape(B, -1) * w)
-        m_run = m_new
-    out = (acc[:, :-1] / l_run[:, :-1, None]).view(B, Hq, n, shape.v_dim)
-    lse = (m_run[:, :-1] + torch.log(l_run[:, :-1])).view(B, Hq, n)
-    return out.to(q.dtype), lse
+    out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)   # + sink row
+    lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
+    for c in iter_chunks(groups, bounds, shape, ct):
+        Qg = _gather(qf, c.rows, c.units, c.tile)
+        Kg = _gather(kf, c.kv_rows, c.units, c.width)
+        Vg = _gather(vf, c.kv_rows, c.units, c.width)
+        s = _biased_scores(Qg, Kg, c.log_count, scale)
+        # Each query shares a block with itself in every sample: no row is all -inf.
+        if need_lse:
+            lse.index_copy_(1, c.out_rows, torch.logsumexp(s, -1).reshape(B, -1))
+        o = torch.matmul(torch.softmax(s, -1), Vg)
+        out.index_copy_(1, c.out_rows, o.reshape(B, -1, shape.v_dim))
+    return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             groups: List[UnitGroup], shape: AttnShape, causal: bool, scale: float):
-    """Gradients ``dq, dk, dv`` by chunked recomputation with the global ``lse``."""
+             groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, scale: float):
+    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``."""
     B, Hq, Hkv, n = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
-    dof = _flat(dout, ct)
-    delta = (dof * _flat(out, ct)).sum(-1)                     # [B, Hq*n]
-    lse_f = lse.reshape(B, Hq * n).to(ct)
-    dq = torch.zeros(B, Hq * n, shape.head_dim, dtype=ct, device=q.device)
+    zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
+    # Rows past n read the sink row: dO = 0 and lse = +inf, so their probabilities
+    # are exactly 0 and they add nothing to dk, dv (no inf * 0).
+    dof = torch.cat([_flat(dout, ct), zero_row], 1)
+    delta = torch.cat([(dof[:, :-1] * _flat(out, ct)).sum(-1), zero_row[..., 0]], 1)
+    lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
+    dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
     dk = torch.zeros(B, Hkv * n, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * n, shape.v_dim, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, shape, causal, q.device):
-        U, P = c.units, c.size
-        Qg = _gather(qf, c.q_idx, U, P)
-        Kg = _gather(kf, c.kv_idx, U, P)
-        Vg = _gather(vf, c.kv_idx, U, P)
-        dOg = _gather(dof, c.q_idx, U, P)
-        lse_g = lse_f.index_select(1, c.q_idx).view(B, U, P, 1)
-        delta_g = delta.index_select(1, c.q_idx).view(B, U, P, 1)
-        s = torch.matmul(Qg, Kg.transpose(-1, -2)).mul_(scale)
-        keep = c.mask & c.q_valid[:, :, None]                   # padding rows must not leak into dk/dv
-        s.masked_fill_(~keep, float("-inf"))
-        p = torch.exp_(s.sub_(lse_g))
-        dv.index_add_(1, c.kv_idx, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * P, -1))
-        ds = torch.matmul(dOg, Vg.transpose(-1, -2)).sub_(delta_g).mul_(p).mul_(scale)
-        dq.index_add_(1, c.q_idx, torch.matmul(ds, Kg).reshape(B, U * P, -1))
-        dk.index_add_(1, c.kv_idx, torch.matmul(ds.transpose(-1, -2), Qg).reshape(B, U * P, -1))
-    return (dq.view_as(q).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype))
+    for c in iter_chunks(groups, bounds, shape, ct):
+        U, T, R = c.units, c.tile, c.width
+        Qg = _gather(qf, c.rows, U, T)
+        Kg = _gather(kf, c.kv_rows, U, R)
+        Vg = _gather(vf, c.kv_rows, U, R)
+        dOg = _gather(dof, c.out_rows, U, T)
+        lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
+        delta_g = delta.index_select(1, c.out_rows).view(B, U, T, 1)
+        p = torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
+        dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
+        ds = torch.matmul(dOg, Vg.transpose(-1, -2)).sub_(delta_g).mul_(p)
+        dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
+        dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
+    dq = dq[:, :-1]
+    return dq.view_as(q).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
 class PoslshTorchFunction(torch.autograd.Function):
-    """Autograd wrapper: saves ``q, k, v, out, lse``; backward recomputes."""
+    """Autograd wrapper: saves ``q, k, v, out, lse``; backward recomputes tile by tile."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, shape, causal, scale):
-        out, lse = forward(q, k, v, groups, shape, causal, scale)
+    def forward(ctx, q, k, v, groups, bounds, shape, scale):
+        need_lse = any(ctx.needs_input_grad[:3])
+        out, lse = forward(q, k, v, groups, bounds, shape, scale, need_lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (groups, shape, causal, scale)
+        ctx.meta = (groups, bounds, shape, scale)
         return out
 
     @staticmethod
@@ -157,3 +223,11 @@ class PoslshTorchFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.meta)
         return dq, dk, dv, None, None, None, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
+              scale: float) -> Tensor:
+    """Entry point used by the dispatcher (``backend="torch"``)."""
+    bounds = row_bounds(partitions, shape.seqlen, causal, q.device)
+    groups = plan_tiles(bounds, shape.seqlen, choose_tile(shape.seqlen))
+    return PoslshTorchFunction.apply(q, k, v, groups, bounds, shape, scale)

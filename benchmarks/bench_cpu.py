@@ -1,0 +1,143 @@
+"""CPU benchmark: poslsh (torch backend) vs exact ALiBi through SDPA, side by side.
+
+Configuration (issue 2): float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
+* speed: poslsh vs ``F.scaled_dot_product_attention`` given a materialised ALiBi
+  float mask (mask built outside the timed region) at n=16384;
+* scaling: time(n=65536) / time(n=16384) for poslsh;
+* memory: peak resident memory of a fresh process running poslsh at n=65536,
+  minus that process's resident memory after creating its inputs.
+
+Prints medians and ratios, writes ``results/bench_cpu.json`` atomically.
+Run: ``python benchmarks/bench_cpu.py [--quick]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import poslsh
+
+B, H, D, S = 1, 4, 64, 10
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def inputs(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    parts = poslsh.sample_partitions(poslsh.alibi_sigmas(H), S, seed=seed)
+    return q, k, v, parts
+
+
+def run_poslsh(n: int, repeats: int, backward: bool = False) -> float:
+    q, k, v, parts = inputs(n)
+    if not backward:
+        with torch.no_grad():
+            return median_time(lambda: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch"), repeats)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+
+    def step():
+        poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch").sum().backward()
+    return median_time(step, repeats)
+
+
+def run_sdpa_alibi(n: int, repeats: int) -> float:
+    q, k, v, _ = inputs(n)
+    mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
+    with torch.no_grad():
+        return median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+
+
+def peak_memory_child(n: int) -> None:
+    """Run in a fresh process: print peak RSS growth (bytes) of one poslsh call."""
+    q, k, v, parts = inputs(n)
+    with torch.no_grad():
+        poslsh.poslsh_attention(q[..., :8, :], k[..., :8, :], v[..., :8, :], parts, causal=True, backend="torch")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.no_grad():
+        poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"n": n, "peak_growth_bytes": peak - base, "peak_rss_bytes": peak}))
+
+
+def peak_memory(n: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", str(n)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller n (4096 / 16384), fewer repeats")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="results/bench_cpu.json")
+    args = ap.parse_args()
+    if args.memory_child is not None:
+        peak_memory_child(args.memory_child)
+        return
+    n_small, n_large = (4096, 16384) if args.quick else (16384, 65536)
+    reps = 3 if args.quick else args.repeats
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
+              f"{torch.get_num_threads()} threads"
+    print(f"machine: {machine}")
+    print(f"config: float32 B={B} H={H} d={D} s={S} causal, ALiBi sigmas {poslsh.alibi_sigmas(H).tolist()}")
+
+    t_sdpa = run_sdpa_alibi(n_small, max(1, reps // 2))
+    t_small = run_poslsh(n_small, reps)
+    t_large = run_poslsh(n_large, reps)
+    t_small_bwd = run_poslsh(n_small, reps, backward=True)
+    mem = peak_memory(n_large)
+    rows = [
+        ("SDPA + materialised ALiBi mask", n_small, t_sdpa),
+        ("poslsh torch, forward", n_small, t_small),
+        ("poslsh torch, forward", n_large, t_large),
+        ("poslsh torch, forward+backward", n_small, t_small_bwd),
+    ]
+    print(f"\n{'method':36s} {'n':>7s} {'median ms':>10s}")
+    for name, n, t in rows:
+        print(f"{name:36s} {n:7d} {t * 1e3:10.1f}")
+    speedup = t_sdpa / t_small
+    scaling = t_large / t_small
+    print(f"\nspeedup poslsh vs SDPA+ALiBi mask at n={n_small}: {speedup:.1f}x   (target >= 12x)")
+    print(f"time(n={n_large}) / time(n={n_small}): {scaling:.2f}   (target <= 4.5)")
+    print(f"peak memory growth at n={n_large}: {mem['peak_growth_bytes'] / 2**20:.0f} MiB "
+          f"(peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; target < 2 GiB)")
+    write_json_atomic(args.out, {
+        "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
+        "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
+        "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem,
+    })
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
