@@ -1,0 +1,137 @@
+"""The torch backend against the one oracle: the dense float64 M~ reference."""
+import pytest
+import torch
+
+import poslsh
+from poslsh.reference import dense_attention_with_bias
+
+from conftest import alibi_partitions, make_qkv
+
+CASES = [  # (B, Hq, Hkv, n)
+    (2, 4, 2, 1), (1, 4, 4, 2), (2, 8, 2, 97), (2, 12, 4, 97), (2, 4, 1, 1025), (1, 12, 3, 1025), (2, 8, 8, 300),
+]
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,n", CASES)
+def test_forward_matches_reference_float64(B, Hq, Hkv, n, causal):
+    q, k, v = make_qkv(B, Hq, Hkv, n, 16, dv=12, seed=n)
+    P = alibi_partitions(Hq, 7, seed=n, stretch=4.0)   # stretch: blocks of all sizes at these n
+    ref = poslsh.poslsh_attention_reference(q, k, v, P, causal=causal)
+    out = poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch")
+    err = rel_err(out, ref)
+    print(f"B={B} Hq={Hq} Hkv={Hkv} n={n} causal={causal}: rel err {err:.2e}")
+    assert out.shape == (B, Hq, n, 12) and out.dtype == torch.float64
+    assert err < 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,n", [(2, 4, 2, 1025), (1, 8, 2, 97), (2, 12, 4, 2)])
+def test_gradients_match_reference(B, Hq, Hkv, n, causal):
+    q, k, v = make_qkv(B, Hq, Hkv, n, 8, seed=3, requires_grad=True)
+    P = alibi_partitions(Hq, 5, seed=4, stretch=2.0)
+    w = torch.randn(B, Hq, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g_fast = torch.autograd.grad((poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch") * w).sum(),
+                                 (q, k, v))
+    g_ref = torch.autograd.grad((poslsh.poslsh_attention_reference(q, k, v, P, causal=causal) * w).sum(), (q, k, v))
+    errs = [rel_err(a, b) for a, b in zip(g_fast, g_ref)]
+    print(f"n={n} causal={causal}: grad rel errs dq, dk, dv = {errs}")
+    assert max(errs) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(causal):
+    q, k, v = make_qkv(2, 2, 1, 13, 3, seed=5, requires_grad=True)
+    P = poslsh.sample_partitions(torch.tensor([1.5, 6.0]), 3, seed=6)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch"), (q, k, v))
+
+
+def test_estimator_is_sum_of_numerators_over_sum_of_denominators():
+    """Independent check of the estimator, one sample at a time (not a mean of outputs)."""
+    q, k, v = make_qkv(1, 2, 2, 60, 8, seed=8)
+    P = alibi_partitions(2, 4, seed=9, stretch=4.0)
+    ids = P.block_ids(60)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / 8 ** 0.5
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    num, den = 0, 0
+    for t in range(4):
+        same = (ids[:, t, :, None] == ids[:, t, None, :]).double()
+        num = num + torch.einsum("bhij,bhjd->bhid", e * same, v)
+        den = den + (e * same).sum(-1, keepdim=True)
+    expected = num / den
+    mean_of_outputs = sum(
+        torch.einsum("bhij,bhjd->bhid", e * (ids[:, t, :, None] == ids[:, t, None, :]), v)
+        / (e * (ids[:, t, :, None] == ids[:, t, None, :])).sum(-1, keepdim=True) for t in range(4)) / 4
+    out = poslsh.poslsh_attention(q, k, v, P, backend="torch")
+    print("vs estimator", rel_err(out, expected), "vs mean of outputs", rel_err(out, mean_of_outputs))
+    assert rel_err(out, expected) < 1e-12
+    assert rel_err(out, mean_of_outputs) > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_whole_sequence_block_is_plain_softmax(causal):
+    n = 97
+    q, k, v = make_qkv(2, 4, 2, n, 16, seed=10)
+    P = poslsh.Partitions.fixed_blocks(4, n)
+    out = poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch")
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=causal)
+    print("vs plain softmax attention", rel_err(out, plain))
+    assert rel_err(out, plain) < 1e-12
+
+
+def test_fixed_blocks_equal_block_local_attention():
+    n, bs = 50, 8
+    q, k, v = make_qkv(1, 2, 2, n, 8, seed=11)
+    P = poslsh.Partitions.fixed_blocks(2, bs)
+    blk = torch.arange(n) // bs
+    bias = torch.where(blk[:, None] == blk[None, :], 0.0, float("-inf")).double()
+    expected = dense_attention_with_bias(q, k, v, bias, causal=True)
+    assert rel_err(poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch"), expected) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_close_to_float64(dtype):
+    q, k, v = make_qkv(2, 4, 2, 300, 32, seed=12)
+    P = alibi_partitions(4, 6, seed=13)
+    ref = poslsh.poslsh_attention_reference(q, k, v, P, causal=True)
+    out = poslsh.poslsh_attention(q.to(dtype), k.to(dtype), v.to(dtype), P, causal=True, backend="torch")
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    err = rel_err(out.double(), ref)
+    print(dtype, "rel err vs float64 reference", err)
+    assert out.dtype == dtype and err < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits_stay_finite(dtype, causal):
+    """Scores of about +-1e4 must not overflow (the softmax is stabilised per row)."""
+    n = 200
+    q, k, v = make_qkv(1, 4, 2, n, 16, seed=14)
+    q[..., 7, :] = 50.0     # q_7 . k_3 / sqrt(16) = 50 * 50 * 16 / 4 = 1e4
+    k[..., 3, :] = 50.0
+    k[..., 5, :] = -50.0    # and -1e4 for k_5
+    P = alibi_partitions(4, 5, seed=15)
+    q_, k_, v_ = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    out = poslsh.poslsh_attention(q_, k_, v_, P, causal=causal, backend="torch")
+    out.sum().backward()
+    scores = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, 1)) / 4
+    print("max |score|", scores.abs().max().item())
+    assert scores.abs().max() >= 1e4
+    for t in (out, q_.grad, k_.grad, v_.grad):
+        assert torch.isfinite(t.float()).all()
+    ref = poslsh.poslsh_attention_reference(q_.detach().double(), k_.detach().double(), v_.detach().double(), P,
+                                            causal=causal)
+    assert rel_err(out.double(), ref) < (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_partitions_on_other_device_are_moved():
+    q, k, v = make_qkv(1, 4, 4, 30, 8)
+    P = alibi_partitions(4, 3)
+    out = poslsh.poslsh_attention(q, k, v, P.to("cpu"), backend="auto")
+    assert torch.allclose(out, poslsh.poslsh_attention_reference(q, k, v, P))

@@ -1,0 +1,71 @@
+"""The public op's contract: dispatch and clear errors on bad input."""
+import pytest
+import torch
+
+import poslsh
+
+from conftest import alibi_partitions, make_qkv
+
+
+def test_backends_listed_and_auto_runs():
+    assert {"torch", "reference"} <= set(poslsh.available_backends())
+    q, k, v = make_qkv(1, 4, 2, 20, 8)
+    P = alibi_partitions(4, 3)
+    assert torch.allclose(poslsh.poslsh_attention(q, k, v, P), poslsh.poslsh_attention(q, k, v, P, backend="reference"))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v: (q[0], k, v), "must have shape"),
+    (lambda q, k, v: (q, k[..., :4], v), "head_dim"),
+    (lambda q, k, v: (q, k, v[:, :, :5]), "must agree"),
+    (lambda q, k, v: (q[:, :, :5], k, v), "seqlen"),
+    (lambda q, k, v: (q, k.float(), v), "dtype"),
+    (lambda q, k, v: (q.long(), k, v), "float16, bfloat16"),
+    (lambda q, k, v: (q, k.repeat(1, 2, 1, 1)[:, :3], v.repeat(1, 2, 1, 1)[:, :3]), "multiple of key/value heads"),
+    (lambda q, k, v: (q[:1], k, v), "batch size"),
+    (lambda q, k, v: (q.to("meta"), k, v), "one device"),
+    (lambda q, k, v: ("q", k, v), "torch.Tensor"),
+])
+def test_bad_input_gets_clear_error(mutate, match):
+    q, k, v = make_qkv(2, 4, 2, 12, 8)
+    P = alibi_partitions(4, 2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        poslsh.poslsh_attention(*mutate(q, k, v), P)
+
+
+def test_bad_partitions_scale_backend():
+    q, k, v = make_qkv(1, 4, 2, 12, 8)
+    with pytest.raises(ValueError, match="partitions were built for 8 heads but q has 4"):
+        poslsh.poslsh_attention(q, k, v, alibi_partitions(8, 2))
+    with pytest.raises(TypeError, match="Partitions"):
+        poslsh.poslsh_attention(q, k, v, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="scale"):
+        poslsh.poslsh_attention(q, k, v, alibi_partitions(4, 2), scale=float("nan"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        poslsh.poslsh_attention(q, k, v, alibi_partitions(4, 2), backend="cuda-magic")
+
+
+def test_no_quadratic_tensor_on_torch_path(monkeypatch):
+    """Every tensor created inside the torch backend is O(n) in size (n = 4096 here)."""
+    import poslsh.ops.torch_impl as ti
+
+    n = 4096
+    q, k, v = make_qkv(1, 2, 1, n, 8, dtype=torch.float32)
+    P = poslsh.sample_partitions(torch.tensor([4.0, 64.0]), 4, seed=0)
+    monkeypatch.setattr(ti, "CHUNK_ELEMENTS", 1 << 16)
+    largest = 0
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            nonlocal largest
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest = max(largest, t.numel())
+            return out
+
+    with Watch():
+        out = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
+    print("largest tensor elements", largest, "n^2 =", n * n)
+    assert torch.isfinite(out).all()
+    assert largest < n * n // 16
