@@ -88,6 +88,8 @@ class Partitions:
 
     def to(self, device) -> "Partitions":
         """The same partitions with their tensors on ``device`` (still float64)."""
+        if self.widths.device == torch.device(device):
+            return self      # no copy, no re-validation (keeps torch.compile graphs whole)
         sigma = None if self.sigma is None else self.sigma.to(device)
         return Partitions(self.widths.to(device), self.offsets.to(device), sigma)
 

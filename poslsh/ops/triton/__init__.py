@@ -1,0 +1,43 @@
+"""Fused Triton kernels for positional-LSH attention (the ``"triton"`` backend).
+
+Importing this package registers the backend with :mod:`poslsh.attention` when
+triton is installed, and does nothing otherwise. The backend runs
+
+* on CUDA tensors (compiled kernels, autotuned), and
+* on CPU tensors while ``TRITON_INTERPRET=1`` is set (Triton's interpreter:
+  slow, for tests).
+
+See ``docs/triton.md`` for the design.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+except ImportError:          # triton missing: the backend simply isn't registered
+    triton = None
+
+__all__ = ["AVAILABLE"]
+AVAILABLE = triton is not None
+
+if AVAILABLE:
+    from ...attention import register_backend
+    from ._launch import MAX_HEAD_DIM, SUPPORTED_DTYPES
+    from ._ops import attention, triton_attention_bwd, triton_attention_fwd
+
+    __all__ += ["attention", "triton_attention_fwd", "triton_attention_bwd", "is_available"]
+
+    def is_available(q) -> bool:
+        """CUDA tensors (fp16/bf16/fp32, head dim <= 256); CPU tensors under ``TRITON_INTERPRET=1``."""
+        if q.dtype not in SUPPORTED_DTYPES or q.dim() != 4 or q.shape[-1] > MAX_HEAD_DIM:
+            return False
+        if q.is_cuda:
+            return True
+        return q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+    def _backend(q, k, v, partitions, shape, causal, scale):
+        return attention(q, k, v, partitions, causal=causal, scale=scale)
+
+    register_backend("triton", _backend, is_available)
