@@ -369,9 +369,6 @@ def test_gpu_compile_fullgraph_inductor():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.xfail(reason="poslsh_attention calls partitions.to(q.device), which rebuilds Partitions and "
-                          "validates with bool(tensor): a graph break unless Partitions.to returns self "
-                          "when already on the device (see docs/triton.md)", strict=False)
 def test_gpu_compile_fullgraph_through_dispatcher():
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0).to("cuda")
     q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 2048, 64, dtype=torch.bfloat16, device="cuda"))
