@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -68,15 +67,24 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
         return median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
 
+def _peak_rss() -> int:
+    """Peak resident set size of this process (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
 def peak_memory_child(n: int) -> None:
-    """Run in a fresh process: print peak RSS growth (bytes) of one poslsh call."""
+    """Run in a fresh process: print peak RSS growth (bytes) of one poslsh call.
+    (ru_maxrss would carry the parent's peak across exec; VmHWM is reset instead.)"""
     q, k, v, parts = inputs(n)
     with torch.no_grad():
         poslsh.poslsh_attention(q[..., :8, :], k[..., :8, :], v[..., :8, :], parts, causal=True, backend="torch")
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                       # reset VmHWM to the current RSS
+    base = _peak_rss()
     with torch.no_grad():
         poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     print(json.dumps({"n": n, "peak_growth_bytes": peak - base, "peak_rss_bytes": peak}))
 
 
@@ -111,11 +119,11 @@ def main() -> None:
     print(f"machine: {machine}")
     print(f"config: float32 B={B} H={H} d={D} s={S} causal, ALiBi sigmas {poslsh.alibi_sigmas(H).tolist()}")
 
-    t_sdpa = run_sdpa_alibi(n_small, max(1, reps // 2))
+    mem = peak_memory(n_large)      # first, in a fresh process
     t_small = run_poslsh(n_small, reps)
+    t_sdpa = run_sdpa_alibi(n_small, max(1, reps // 2))
     t_large = run_poslsh(n_large, reps)
     t_small_bwd = run_poslsh(n_small, reps, backward=True)
-    mem = peak_memory(n_large)
     rows = [
         ("SDPA + materialised ALiBi mask", n_small, t_sdpa),
         ("poslsh torch, forward", n_small, t_small),

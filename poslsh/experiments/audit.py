@@ -1,0 +1,400 @@
+"""``poslsh audit``: do the empirical quantities respect the paper's theorems?
+
+Many independent trials (independent seeded partition draws), each check at a
+stated confidence ``1 - delta``:
+
+* **eq. (3)** ``||L* - M~||_max <= sqrt(log(2 n^2 / delta) / (2 s))``: per (sigma, s) the
+  fraction of trials above the bound must be consistent with ``<= delta``.
+* **eq. (4)** ``b_max <= 1 + sigma (3 ln(s / delta) + 2)``: same test for the largest
+  block of the ``s`` partitions.
+* **spectral decay**: the log-log slope of the mean ``||L* - M~||`` against ``s``
+  (fitted on ``s >= 100``, where ``s >> log n``) must be ``-1/2 +- tol``; reported
+  with the smallest constant ``C`` for which eq. (1) holds on these means.
+* **Theorem 2.2 on real Q/K/V** (causal, per head): the smallest ``C`` that makes
+  ``||T* - T~||_max <= 2 Delta_P / (beta*_P - Delta_P) ||V||_max`` hold, per draw
+  (max over the draw's instances), its ``1 - delta`` quantile and max over draws;
+  and the bound checked at ``C3 = sqrt(log(2n^2/delta) / (2 log(n/delta)))``, the
+  constant that eq. (3) itself supplies (in the causal case ``||P||_{2,inf} = 1``,
+  so ``Delta_P`` is exactly eq. (3)'s ``eps`` at ``C3``). Also the proof's
+  deterministic step (eqs. 8-14) with the measured ``||L* - M~||_max``, which must
+  hold in every trial.
+
+"Consistent with ``<= delta``": the number of violations among ``T`` trials may
+not exceed the 99.9% quantile of Binomial(``T``, ``delta``); a FAIL therefore
+rejects "violation probability <= delta" at the 0.1% level.
+
+Outputs: ``results/audit/audit.json``, ``audit.csv`` and ``audit.md`` (the table).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import theory
+from ..alibi import alibi_sigmas
+from ..partitions import sample_partitions
+from .convergence import (DEFAULT_LAYERS, FIT_MIN_S, _csv_text, _ints, add_model_args, atomic_write,
+                          default_heads, draw_seed, fit_slope, input_records, mask_records)
+
+__all__ = ["AuditConfig", "allowed_violations", "c3_constant", "matrix_checks", "output_checks", "run_audit",
+           "format_table", "register"]
+
+CONFIDENCE_LEVEL = 0.999       # binomial test level for "violation rate <= delta"
+
+
+@dataclass
+class AuditConfig:
+    delta: float = 0.05
+    seed: int = 0
+    # matrix checks (no model needed)
+    num_heads: int = 9                               # ALiBi slopes for this head count (SmolLM2: 9)
+    heads: Optional[Tuple[int, ...]] = None          # None: default_heads(num_heads)
+    n_matrix: int = 1024
+    trials: int = 60
+    samples: Tuple[int, ...] = (1, 10, 100, 1000, 10000)
+    slope_tol: float = 0.1
+    fit_min_s: int = FIT_MIN_S
+    # Theorem 2.2 on real Q/K/V
+    n_output: int = 2048
+    inputs: int = 8
+    draws: int = 4
+    output_samples: Tuple[int, ...] = (100, 1000, 10000)
+    layers: Tuple[int, ...] = DEFAULT_LAYERS
+    rope: str = "pre"
+    model: Optional[str] = None
+    inputs_from: str = "corpus"
+    corpora: Tuple[str, ...] = ("linux-doc", "python-doc")
+    skip_output: bool = False
+    out: str = "results/audit"
+    quick: bool = False
+
+
+def allowed_violations(trials: int, delta: float, level: float = CONFIDENCE_LEVEL) -> int:
+    """Largest violation count still consistent with a violation rate ``<= delta``:
+    the ``level`` quantile of Binomial(``trials``, ``delta``)."""
+    cdf = 0.0
+    for k in range(trials + 1):
+        cdf += math.comb(trials, k) * delta ** k * (1.0 - delta) ** (trials - k)
+        if cdf >= level - 1e-12:
+            return k
+    return trials
+
+
+def c3_constant(n: int, delta: float) -> float:
+    """The ``C`` at which Theorem 2.2's ``Delta_P`` (with ``||P||_{2,inf} = 1``)
+    equals eq. (3)'s deviation: ``sqrt(log(2 n^2 / delta) / (2 log(n / delta)))``."""
+    return math.sqrt(math.log(2.0 * n * n / delta) / (2.0 * math.log(n / delta)))
+
+
+def _row(check, subject, statistic, bound, trials, violations, allowed, ok, note=""):
+    return dict(check=check, subject=subject, statistic=statistic, bound=bound, trials=trials,
+                violations=violations, allowed=allowed, result="PASS" if ok else "FAIL", note=note)
+
+
+# ============================================================ matrix checks
+def matrix_trials(cfg: AuditConfig, sigmas: Sequence[float], progress=None) -> List[dict]:
+    rows = []
+    sig = torch.tensor(list(sigmas), dtype=torch.float64)
+    for t in range(cfg.trials):
+        parts = sample_partitions(sig, max(cfg.samples), seed=draw_seed(cfg.seed, t, "audit-matrix"))
+        rows.extend(mask_records(parts, cfg.n_matrix, cfg.samples, trial=t))
+        if progress is not None:
+            progress(1)
+    return rows
+
+
+def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> Tuple[List[dict], dict]:
+    """The eq. (3), eq. (4) and spectral-decay rows from :func:`matrix_trials` records."""
+    n, delta = cfg.n_matrix, cfg.delta
+    table, details = [], {"eq3": [], "eq4": [], "spectral": []}
+    by = {}
+    for r in rows:
+        by.setdefault((r["head_index"], r["s"]), []).append(r)
+    for hi, h in enumerate(heads):
+        sigma = next(r["sigma"] for r in rows if r["head_index"] == hi)
+        subject = f"head {h}, sigma={sigma:.3g}"
+        viol3 = viol4 = trials = 0
+        fail3 = fail4 = False
+        worst3 = worst4 = 0.0
+        means, ss = [], []
+        for s in sorted(cfg.samples):
+            rs = by[(hi, s)]
+            T = len(rs)
+            allowed = allowed_violations(T, delta)
+            e3 = theory.max_norm_deviation_bound(n, s, delta)
+            v3 = sum(r["max"] > e3 for r in rs)
+            q3 = float(np.quantile([r["max"] for r in rs], 1 - delta))
+            b4 = theory.block_size_bound(sigma, s, delta)
+            v4 = sum(r["b_max"] > b4 for r in rs)
+            q4 = float(np.quantile([r["b_max"] for r in rs], 1 - delta))
+            worst3, worst4 = max(worst3, max(r["max"] for r in rs) / e3), max(worst4, max(r["b_max"] for r in rs) / b4)
+            viol3, viol4, trials = viol3 + v3, viol4 + v4, trials + T
+            fail3, fail4 = fail3 or v3 > allowed, fail4 or v4 > allowed
+            spec = np.array([r["spectral"] for r in rs])
+            means.append(float(spec.mean()))
+            ss.append(s)
+            details["eq3"].append(dict(head=h, sigma=sigma, s=s, trials=T, bound=e3, quantile=q3, violations=v3,
+                                       allowed=allowed))
+            details["eq4"].append(dict(head=h, sigma=sigma, s=s, trials=T, bound=b4, quantile=q4, violations=v4,
+                                       allowed=allowed))
+            details["spectral"].append(dict(head=h, sigma=sigma, s=s, trials=T, mean=float(spec.mean()),
+                                            std=float(spec.std(ddof=1)) if T > 1 else 0.0,
+                                            quantile=float(np.quantile(spec, 1 - delta)),
+                                            eq1_C1=theory.spectral_expectation_bound(n, s, sigma, 1.0)))
+        per_cell = allowed_violations(len(by[(hi, ss[0])]), delta)
+        table.append(_row("eq. (3) max-norm", subject, f"max ||L*-M~||max / eps3 = {worst3:.3f}",
+                          f"eps3(n={n}, s, delta={delta:g})", trials, viol3, f"{per_cell}/cell", not fail3,
+                          f"{len(ss)} values of s"))
+        table.append(_row("eq. (4) block size", subject, f"max b_max / bound = {worst4:.3f}",
+                          f"1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
+        slope = fit_slope(ss, means, cfg.fit_min_s)
+        c1 = max(m / theory.spectral_expectation_bound(n, s, sigma, 1.0) for s, m in zip(ss, means))
+        ok = slope is not None and abs(slope + 0.5) <= cfg.slope_tol
+        table.append(_row("spectral decay (eq. 1/2)", subject,
+                          "slope n/a" if slope is None else f"slope {slope:+.3f} (s >= {cfg.fit_min_s})",
+                          f"-0.5 +- {cfg.slope_tol:g}", len(by[(hi, ss[0])]), "", "", ok,
+                          f"eq. (1) holds on the means with any C >= {c1:.3g}"))
+    return table, details
+
+
+# ============================================================ Theorem 2.2
+def output_trials(cfg: AuditConfig, progress=None, log=print) -> Tuple[List[dict], dict]:
+    """Real Q/K/V instances x independent draws; one record per (input, draw, layer, head, s)."""
+    from .convergence import ConvergenceConfig, _load, _segments
+    from .qkv import attention_geometry, capture_qkv
+
+    ccfg = ConvergenceConfig(n=cfg.n_output, num_inputs=cfg.inputs, layers=cfg.layers, seed=cfg.seed,
+                             rope=cfg.rope, model=cfg.model, corpora=cfg.corpora, inputs_from=cfg.inputs_from)
+    model, tok = _load(ccfg)
+    hq, _, _ = attention_geometry(model)
+    heads = list(cfg.heads) if cfg.heads is not None else default_heads(hq)
+    sig_all = alibi_sigmas(hq)
+    sigmas = [float(sig_all[h]) for h in heads]
+    segments = _segments(ccfg, tok, model.config.vocab_size)
+    rows = []
+    for i, seg in enumerate(segments):
+        qkv = capture_qkv(model, seg.ids, cfg.layers, rope=cfg.rope)
+        cache: dict = {}
+        for dr in range(cfg.draws):
+            parts = sample_partitions(torch.tensor(sigmas, dtype=torch.float64), max(cfg.output_samples),
+                                      seed=draw_seed(cfg.seed, i * 1000 + dr, "audit-output"))
+            for r in input_records(qkv, heads, sigmas, cfg.output_samples, parts, index=i, source=seg.source,
+                                   spectral=False, cache=cache):
+                r["draw"] = i * cfg.draws + dr
+                rows.append(r)
+            if progress is not None:
+                progress(1)
+    meta = dict(heads=heads, sigmas=sigmas, q_heads=hq, inputs=[s.source for s in segments])
+    return rows, meta
+
+
+def output_checks(rows: List[dict], n: int, delta: float, *, label: str = "") -> Tuple[List[dict], List[dict]]:
+    """Theorem 2.2 rows (per head) from attention records with fields ``t_err``,
+    ``beta_star``, ``p_2inf``, ``v_max``, ``max``, ``s``, ``draw``."""
+    c3 = c3_constant(n, delta)
+    smin = math.log(n / delta)
+    table, details = [], []
+    heads = sorted({(r["sigma"], r["head"]) for r in rows})
+    for sigma, h in heads:
+        rs = [r for r in rows if r["head"] == h and r["s"] >= smin]
+        if not rs:
+            continue
+        per_draw: Dict[int, float] = {}
+        det_viol = 0
+        c3_viol_draws = set()
+        applicable = 0
+        for r in rs:
+            c, _ = theory.smallest_constant(r["t_err"], r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, r["s"],
+                                            delta)
+            per_draw[r["draw"]] = max(per_draw.get(r["draw"], 0.0), c)
+            # the proof's deterministic step with the measured max-norm error (eqs. 8, 10, 12-14)
+            dm = r["max"]
+            if dm < r["beta_star"] and r["t_err"] > 2 * dm / (r["beta_star"] - dm) * r["v_max"] * (1 + 1e-9) + 1e-12:
+                det_viol += 1
+            b = theory.output_error_bound(r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, r["s"], delta, c3)
+            if math.isfinite(b):
+                applicable += 1
+                if r["t_err"] > b:
+                    c3_viol_draws.add(r["draw"])
+        cs = np.array(list(per_draw.values()))
+        D = len(per_draw)
+        allowed = allowed_violations(D, delta)
+        subject = f"head {h}, sigma={sigma:.3g}"
+        q = float(np.quantile(cs, 1 - delta))
+        table.append(_row(f"Thm 2.2 output bound{label}", subject,
+                          f"smallest C: q{int(round(100 * (1 - delta)))} {q:.3g}, max {cs.max():.3g}",
+                          f"C3 = {c3:.3f} (from eq. 3)", D, len(c3_viol_draws), allowed,
+                          len(c3_viol_draws) <= allowed,
+                          f"bound finite in {applicable}/{len(rs)} instances; "
+                          f"median beta* {np.median([r['beta_star'] for r in rs]):.2g}"))
+        ratios = [_det_ratio(r) for r in rs if r["max"] < r["beta_star"]]
+        table.append(_row(f"Thm 2.2 deterministic step{label}", subject,
+                          f"max err/bound = {max(ratios):.3g}" if ratios else "never applicable",
+                          "eqs. (8)-(14) with measured ||L*-M~||max", len(ratios), det_viol, 0, det_viol == 0,
+                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances"))
+        details.append(dict(head=h, sigma=sigma, n=n, draws=D, C3=c3, C_quantile=q, C_max=float(cs.max()),
+                            C_median=float(np.median(cs)), c3_violations=len(c3_viol_draws), allowed=allowed,
+                            applicable=applicable, instances=len(rs), deterministic_violations=det_viol))
+    return table, details
+
+
+def _det_ratio(r) -> float:
+    dm = r["max"]
+    b = 2 * dm / (r["beta_star"] - dm) * r["v_max"]
+    return r["t_err"] / b if b > 0 else (0.0 if r["t_err"] == 0 else float("inf"))
+
+
+def _convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
+    import csv
+
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return None
+    out = []
+    for r in rows:
+        rec = {k: r[k] for k in r}
+        for k in ("input", "layer", "head", "kv_head", "s", "n", "b_max"):
+            rec[k] = int(rec[k])
+        for k in ("sigma", "spectral", "max", "t_err", "beta_star", "p_2inf", "v_max"):
+            rec[k] = float(rec[k])
+        rec["draw"] = rec["input"]          # one independent draw per input there
+        out.append(rec)
+    return out, out[0]["n"]
+
+
+# ============================================================ run
+def run_audit(cfg: AuditConfig, *, log=print, convergence_rows: Optional[str] = None) -> dict:
+    from tqdm import tqdm
+
+    t0 = time.time()
+    heads = list(cfg.heads) if cfg.heads is not None else default_heads(cfg.num_heads)
+    sig_all = alibi_sigmas(cfg.num_heads)
+    sigmas = [float(sig_all[h]) for h in heads]
+    log(f"audit: delta={cfg.delta}, matrix checks n={cfg.n_matrix} x {cfg.trials} trials, heads {heads} "
+        f"(sigma {[round(x, 3) for x in sigmas]}), s {list(cfg.samples)}")
+    bar = tqdm(total=cfg.trials, desc="audit: matrix trials", unit="trial", file=sys.stderr, disable=False,
+               mininterval=2.0)
+    mrows = matrix_trials(cfg, sigmas, progress=bar.update)
+    bar.close()
+    for r in mrows:
+        r["head"] = heads[r["head_index"]]
+    table, mdetails = matrix_checks(mrows, cfg, heads)
+    result = dict(config=asdict(cfg), heads=heads, sigmas=sigmas, matrix=mdetails, output=None,
+                  output_from_convergence=None)
+    t_matrix = time.time() - t0
+    if not cfg.skip_output:
+        from ..data.corpus import CorpusNotFound
+        from ..models.smollm2 import ModelNotAvailable
+
+        try:
+            log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.inputs} inputs x {cfg.draws} draws, "
+                f"layers {list(cfg.layers)}, s {list(cfg.output_samples)}")
+            bar = tqdm(total=cfg.inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
+                       disable=False, mininterval=2.0)
+            orows, meta = output_trials(cfg, progress=bar.update, log=log)
+            bar.close()
+            otable, odetails = output_checks(orows, cfg.n_output, cfg.delta)
+            table += otable
+            result["output"] = dict(meta=meta, heads=odetails)
+        except (ModelNotAvailable, CorpusNotFound) as e:
+            table.append(dict(check="Thm 2.2 output bound", subject="all heads", statistic="", bound="", trials=0,
+                              violations="", allowed="", result="SKIP", note=str(e)))
+    if convergence_rows:
+        got = _convergence_rows(Path(convergence_rows))
+        if got is not None:
+            crow, n_c = got
+            ctable, cdetails = output_checks(crow, n_c, cfg.delta, label=f" [convergence run, n={n_c}]")
+            table += ctable
+            result["output_from_convergence"] = dict(path=str(convergence_rows), heads=cdetails)
+    result["table"] = table
+    result["passed"] = all(r["result"] != "FAIL" for r in table)
+    result["timing"] = dict(total_s=time.time() - t0, matrix_s=t_matrix)
+    out = Path(cfg.out)
+    fields = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
+    atomic_write(out / "audit.csv", _csv_text(table, fields))
+    atomic_write(out / "audit.md", format_table(table, markdown=True) + "\n")
+    atomic_write(out / "audit.json", json.dumps(result, indent=1, default=float))
+    log(format_table(table))
+    log(f"audit: {'all checks passed' if result['passed'] else 'SOME CHECKS FAILED'} "
+        f"({result['timing']['total_s']:.0f} s) -> {out}")
+    return result
+
+
+def format_table(table: List[dict], *, markdown: bool = False) -> str:
+    cols = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
+    if markdown:
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        for r in table:
+            lines.append("| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in cols) + " |")
+        return "\n".join(lines)
+    short = cols
+    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in table)) for c in short}
+    lines = ["  ".join(c.ljust(width[c]) for c in short)]
+    lines.append("  ".join("-" * width[c] for c in short))
+    for r in table:
+        lines.append("  ".join(str(r.get(c, "")).ljust(width[c]) for c in short))
+    return "\n".join(lines)
+
+
+# ============================================================ CLI
+QUICK = dict(n_matrix=512, trials=20, samples=(1, 10, 100, 1000), n_output=1024, inputs=2, draws=2,
+             output_samples=(100, 1000))
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("audit", help="check the empirical errors against Theorems 2.1/2.2 (pass/fail table)",
+                              description="Theory audit: many independent trials against eqs. (1)-(4) and "
+                                          "Theorem 2.2 at confidence 1 - delta.")
+    add_model_args(p)
+    p.add_argument("--quick", action="store_true", help="a small version (about a minute)")
+    p.add_argument("--delta", type=float, default=0.05)
+    p.add_argument("--trials", type=int, default=None, help="independent draws for the matrix checks (default 60)")
+    p.add_argument("--n-matrix", type=int, default=None, help="n for the matrix checks (default 1024)")
+    p.add_argument("--samples", type=_ints, default=None, help="s for the matrix checks (default 1 10 100 1000 10000)")
+    p.add_argument("--num-heads", type=int, default=9, help="head count that sets the ALiBi slopes (default 9)")
+    p.add_argument("--slope-tol", type=float, default=0.1, help="accepted |slope + 1/2| for the spectral decay")
+    p.add_argument("--n-output", type=int, default=None, help="n for Theorem 2.2 on real Q/K/V (default 2048)")
+    p.add_argument("--inputs", type=int, default=None, help="real inputs for Theorem 2.2 (default 8)")
+    p.add_argument("--draws", type=int, default=None, help="independent draws per input (default 4)")
+    p.add_argument("--output-samples", type=_ints, default=None, help="s for Theorem 2.2 (default 100 1000 10000)")
+    p.add_argument("--skip-output", action="store_true", help="matrix checks only (no model needed)")
+    p.add_argument("--convergence-rows", default="results/convergence/rows.csv",
+                   help="also audit Theorem 2.2 on this convergence run's rows.csv when it exists ('' to skip)")
+    p.add_argument("--out", default=None, help="output directory (default results/audit[/quick])")
+    p.set_defaults(func=_main)
+
+
+def config_from_args(args) -> AuditConfig:
+    q = QUICK if args.quick else {}
+    d = AuditConfig()
+
+    def pick(name, value):
+        return value if value is not None else q.get(name, getattr(d, name))
+    return AuditConfig(
+        delta=args.delta, seed=args.seed, num_heads=args.num_heads,
+        heads=tuple(args.heads) if args.heads else None,
+        n_matrix=pick("n_matrix", args.n_matrix), trials=pick("trials", args.trials),
+        samples=tuple(pick("samples", args.samples)), slope_tol=args.slope_tol,
+        n_output=pick("n_output", args.n_output), inputs=pick("inputs", args.inputs),
+        draws=pick("draws", args.draws), output_samples=tuple(pick("output_samples", args.output_samples)),
+        layers=tuple(args.layers) if args.layers else DEFAULT_LAYERS, rope=args.rope, model=args.model,
+        inputs_from=args.inputs_from, skip_output=args.skip_output,
+        out=args.out or ("results/audit/quick" if args.quick else "results/audit"), quick=bool(args.quick))
+
+
+def _main(args) -> int:
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(max(1, args.threads))
+    result = run_audit(config_from_args(args), convergence_rows=args.convergence_rows or None)
+    return 0 if result["passed"] else 1

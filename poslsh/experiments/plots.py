@@ -1,0 +1,102 @@
+"""Figures (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["plot_convergence"]
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=130)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot_convergence(result: dict, path) -> Path:
+    """The Figure-2 analog: log-log error vs ``s``, one panel per norm (the output
+    error once per layer), one line per head, shaded mean +- std over inputs, and
+    Theorem 2.1's bounds as dashed lines (eq. (1) with the constant ``C`` of the
+    run, per head; eq. (3) at confidence ``1 - delta``)."""
+    plt = _pyplot()
+    from matplotlib.ticker import LogLocator, NullFormatter
+    summary = result["summary"]
+    cfg = result["config"]
+    heads = list(cfg["heads"])
+    sigmas = dict(zip(heads, cfg["sigmas"]))
+    layers = sorted({r["layer"] for r in summary})
+    bounds = result["bounds"]
+    C, delta = bounds["C"], bounds["delta"]
+    order = sorted(heads, key=lambda h: sigmas[h])
+    colors = {h: plt.get_cmap("plasma")(x) for h, x in zip(order, np.linspace(0.0, 0.8, len(order)))}
+
+    panels = [("spectral", None, r"$\|L^\star-\widetilde{M}\|$"),
+              ("max", None, r"$\|L^\star-\widetilde{M}\|_{\max}$")]
+    panels += [("t_err", layer, r"$\|T^\star-\widetilde{T}^\star\|_{\max}$" + f"  (layer {layer}, causal)")
+               for layer in layers]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.9), squeeze=False)
+    axes = axes[0]
+    first_layer = layers[0]
+    for ax, (metric, layer, title) in zip(axes, panels):
+        lay = first_layer if layer is None else layer      # mask norms do not depend on the layer
+        lows = []
+        for h in order:
+            rs = sorted((r for r in summary if r["head"] == h and r["layer"] == lay), key=lambda r: r["s"])
+            if not rs:
+                continue
+            s = np.array([r["s"] for r in rs], dtype=float)
+            m = np.array([r[f"{metric}_mean"] for r in rs])
+            sd = np.array([r[f"{metric}_std"] for r in rs])
+            lo = np.clip(m - sd, m * 1e-2, None)
+            lows.append(m.min())
+            ax.plot(s, m, "o-", color=colors[h], lw=1.6, ms=3.5, label=fr"head {h}, $\sigma$={sigmas[h]:.3g}")
+            ax.fill_between(s, lo, m + sd, color=colors[h], alpha=0.22, lw=0)
+            if metric == "spectral":
+                b = [x for x in bounds["rows"] if abs(x["sigma"] - sigmas[h]) < 1e-9]
+                b.sort(key=lambda x: x["s"])
+                ax.plot([x["s"] for x in b], [x["spectral_eq1"] for x in b], "--", color=colors[h], lw=1.1)
+        if metric == "max":
+            b = sorted({(x["s"], x["max_eq3"]) for x in bounds["rows"]})
+            ax.plot([x[0] for x in b], [x[1] for x in b], "--", color="black", lw=1.1,
+                    label=fr"eq. (3), $\delta$={delta:g}")
+        if metric == "spectral":
+            ax.plot([], [], "--", color="gray", lw=1.1, label=f"eq. (1), C={C:g}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):      # decade labels only: mathtext minor labels are slow and cluttered
+            axis.set_major_locator(LogLocator(base=10, numticks=8))
+            axis.set_minor_formatter(NullFormatter())
+        if lows:
+            ax.set_ylim(bottom=min(lows) / 4)
+        ax.set_xlabel("sample size s")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("error (mean ± std over inputs)")
+    axes[0].legend(fontsize=7, loc="lower left")
+    axes[1].legend(handles=[axes[1].get_lines()[-1]], fontsize=7, loc="lower left")
+    model = result.get("model", {}).get("name", "")
+    fig.suptitle(f"{model}: {len(result.get('inputs', []))} inputs of n={cfg['n']} tokens, "
+                 f"{cfg['rope']}-RoPE Q/K/V; shaded: mean ± std over inputs; dashed: Theorem 2.1", fontsize=10)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.14, top=0.84, wspace=0.22)
+    _save(fig, Path(path))
+    plt.close(fig)
+    return Path(path)
