@@ -1,11 +1,11 @@
 """Figures (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ..io import atomic_savefig
 
 __all__ = ["plot_convergence"]
 
@@ -18,18 +18,7 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=130)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_savefig(fig, path, dpi=130)
 
 
 def plot_convergence(result: dict, path) -> Path:
