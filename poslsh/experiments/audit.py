@@ -394,7 +394,11 @@ def config_from_args(args) -> AuditConfig:
 
 
 def _main(args) -> int:
-    torch.set_grad_enabled(False)
+    threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
-    result = run_audit(config_from_args(args), convergence_rows=args.convergence_rows or None)
+    try:
+        with torch.no_grad():
+            result = run_audit(config_from_args(args), convergence_rows=args.convergence_rows or None)
+    finally:
+        torch.set_num_threads(threads)     # callers (tests, notebooks) keep their settings
     return 0 if result["passed"] else 1

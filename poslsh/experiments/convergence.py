@@ -502,11 +502,14 @@ def _main(args) -> int:
     from ..data.corpus import CorpusNotFound
     from ..models.smollm2 import ModelNotAvailable
 
-    torch.set_grad_enabled(False)
+    threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
     try:
-        run_convergence(config_from_args(args))
+        with torch.no_grad():
+            run_convergence(config_from_args(args))
     except (ModelNotAvailable, CorpusNotFound) as e:
         print(f"poslsh convergence: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)     # callers (tests, notebooks) keep their settings
     return 0
