@@ -16,29 +16,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 import poslsh
+from poslsh.io import atomic_write_json
+from poslsh.timing import median_seconds
 
 B, H, D, S = 1, 4, 64, 10
-
-
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def inputs(n: int, seed: int = 0):
@@ -52,19 +40,19 @@ def run_poslsh(n: int, repeats: int, backward: bool = False) -> float:
     q, k, v, parts = inputs(n)
     if not backward:
         with torch.no_grad():
-            return median_time(lambda: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch"), repeats)
+            return median_seconds(lambda: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch"), repeats)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
 
     def step():
         poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch").sum().backward()
-    return median_time(step, repeats)
+    return median_seconds(step, repeats)
 
 
 def run_sdpa_alibi(n: int, repeats: int) -> float:
     q, k, v, _ = inputs(n)
     mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
     with torch.no_grad():
-        return median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+        return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
 
 def _peak_rss() -> int:
@@ -92,14 +80,6 @@ def peak_memory(n: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--memory-child", str(n)], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -139,7 +119,7 @@ def main() -> None:
     print(f"time(n={n_large}) / time(n={n_small}): {scaling:.2f}   (target <= 4.5)")
     print(f"peak memory growth at n={n_large}: {mem['peak_growth_bytes'] / 2**20:.0f} MiB "
           f"(peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; target < 2 GiB)")
-    write_json_atomic(args.out, {
+    atomic_write_json(args.out, {
         "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
         "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
         "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem,

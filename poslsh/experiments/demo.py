@@ -8,7 +8,6 @@ poslsh against exact ALiBi; then it draws the paper's Figure 1 for one head.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from .. import theory
 from ..alibi import alibi_bias, alibi_matrix, alibi_sigmas
 from ..attention import poslsh_attention
 from ..io import atomic_savefig, atomic_write_json
+from ..timing import median_seconds
 from ..partitions import sample_partitions
 
 
@@ -60,14 +60,8 @@ class DemoResult:
     time_exact_ms: float = 0.0
 
 
-def _median_ms(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def _median_ms(fn) -> float:
+    return median_seconds(fn, repeats=3) * 1e3
 
 
 # SmolLM2 has 9 query heads; ALiBi for 9 heads gives these four sigma = 4, 16, 64, 256.
