@@ -13,6 +13,10 @@ import sys
 COMMAND_MODULES = [
     "poslsh.experiments.demo",
     "poslsh.experiments.theory_cmd",
+    "poslsh.experiments.train",     # poslsh train
+    "poslsh.experiments.lm_eval",   # poslsh eval, poslsh table
+    "poslsh.experiments.convergence",  # poslsh convergence
+    "poslsh.experiments.audit",        # poslsh audit
 ]
 
 

