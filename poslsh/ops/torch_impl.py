@@ -39,11 +39,13 @@ CHUNK_ELEMENTS = 1 << 21
 
 
 class RowBounds(NamedTuple):
-    """Per (head, sample, position): the block of the position, as ``[start, end)``.
-    ``end`` is cut to ``position + 1`` for causal attention. int64 ``[H, s, n]``."""
+    """Per (head, position, sample): the block of the position, as ``[start, end)``,
+    int64 ``[H, n, s]`` (a row's bounds in all samples are contiguous); ``causal``
+    says keys after the query are masked as well."""
 
     start: Tensor
     end: Tensor
+    causal: bool
 
 
 class TileGroup(NamedTuple):
@@ -59,11 +61,9 @@ class TileGroup(NamedTuple):
 def row_bounds(partitions: Partitions, n: int, causal: bool, device) -> RowBounds:
     blk = partitions.blocks(n)
     H, s = partitions.num_heads, partitions.num_samples
-    start = torch.repeat_interleave(blk.start, blk.length).view(H, s, n)
-    end = torch.repeat_interleave(blk.start + blk.length, blk.length).view(H, s, n)
-    if causal:
-        end = torch.minimum(end, torch.arange(1, n + 1, device=end.device))
-    return RowBounds(start.to(device), end.to(device))
+    start = torch.repeat_interleave(blk.start, blk.length).view(H, s, n).transpose(1, 2)
+    end = torch.repeat_interleave(blk.start + blk.length, blk.length).view(H, s, n).transpose(1, 2)
+    return RowBounds(start.to(device).contiguous(), end.to(device).contiguous(), causal)
 
 
 def _pad_width(r: Tensor) -> Tensor:
@@ -81,8 +81,10 @@ def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
         heads = torch.nonzero(tiles == T).flatten()
         q0 = torch.arange(0, n, T, device=dev)
         last = torch.clamp(q0 + T, max=n) - 1
-        lo = bounds.start[heads][:, :, q0].amin(1)            # [h, tiles]: starts grow along rows
-        hi = bounds.end[heads][:, :, last].amax(1)            # ends grow along rows
+        lo = bounds.start[heads][:, q0].amin(-1)              # [h, tiles]: starts grow along rows
+        hi = bounds.end[heads][:, last].amax(-1)              # ends grow along rows
+        if bounds.causal:
+            hi = torch.minimum(hi, last + 1)
         width = _pad_width(hi - lo).reshape(-1)
         head = heads[:, None].expand_as(lo).reshape(-1)
         q0, lo = q0[None].expand_as(lo).reshape(-1), lo.reshape(-1)
@@ -117,10 +119,11 @@ def _units_per_chunk(g: TileGroup, batch: int) -> int:
 
 def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct) -> Iterator[Chunk]:
     n, Hq, group = shape.seqlen, shape.q_heads, shape.group
-    H, s, _ = bounds.start.shape
-    # [H*n, s] layouts: one index_select fetches a row's block bounds in all samples.
-    start_rows = bounds.start.transpose(1, 2).reshape(H * n, s)
-    end_rows = bounds.end.transpose(1, 2).reshape(H * n, s)
+    H, _, s = bounds.start.shape
+    causal = bounds.causal
+    # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
+    start_rows = bounds.start.view(H * n, s)
+    end_rows = bounds.end.view(H * n, s)
     dev = start_rows.device
     log_table = torch.arange(s + 1, dtype=ct, device=dev).log()   # log 0 = -inf
     # Buffers reused by every chunk (fresh large allocations cost page faults each
@@ -142,16 +145,27 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
             rows = rows.reshape(-1)
             keys = (k0[:, None] + ar_r).clamp(max=n - 1)
             kv_rows = ((head // group)[:, None] * n + keys).reshape(-1)
-            base = k0.repeat_interleave(T)[:, None]
-            rel_start = start_rows.index_select(0, rows) - base       # [U*T, s], >= 0
-            rel_end = (end_rows.index_select(0, rows) - base).clamp_(max=R)
-            diff = diff_buf[: U * T * (R + 1)].view(U * T, R + 1)
+            # Rows of a tile whose blocks are the same in every sample have the same
+            # counts: build them once per run of such rows ("segment"), then copy rows.
+            start_r = start_rows.index_select(0, rows)                # [U*T, s]
+            new_seg = torch.ones(U, T, dtype=torch.bool, device=dev)
+            new_seg[:, 1:] = (start_r.view(U, T, s)[:, 1:] != start_r.view(U, T, s)[:, :-1]).any(-1)
+            new_seg = new_seg.view(-1)
+            rep = torch.nonzero(new_seg).flatten()
+            seg = torch.cumsum(new_seg, 0) - 1
+            M = rep.numel()
+            base = k0.repeat_interleave(T)[rep, None]
+            rel_start = start_r[rep] - base                             # [M, s], >= 0
+            rel_end = (end_rows.index_select(0, rows[rep]) - base).clamp_(max=R)
+            diff = diff_buf[: M * (R + 1)].view(M, R + 1)
             one = torch.ones((), dtype=torch.int64, device=dev).expand(rel_start.shape)
             diff.scatter_add_(1, rel_start, one).scatter_add_(1, rel_end, -one)
-            count = torch.cumsum(diff, 1, out=count_buf[: U * T * (R + 1)].view(U * T, R + 1))
+            count = torch.cumsum(diff, 1, out=count_buf[: M * (R + 1)].view(M, R + 1))
             diff.scatter_add_(1, rel_start, -one).scatter_add_(1, rel_end, one)   # back to zeros
             # log via a table: integer counts 0..s, and torch.log is slow on zeros.
-            log_count = torch.take(log_table, count[:, :R]).view(U, T, R)
+            log_count = F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
+            if causal:
+                log_count.masked_fill_((k0[:, None] + ar_r)[:, None, :] > pos[:, :, None], float("-inf"))
             yield Chunk(rows, out_rows, kv_rows, log_count, U, T, R)
 
 
