@@ -164,8 +164,10 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
             diff.scatter_add_(1, rel_start, -one).scatter_add_(1, rel_end, one)   # back to zeros
             # log via a table: integer counts 0..s, and torch.log is slow on zeros.
             log_count = F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
-            if causal:
-                log_count.masked_fill_((k0[:, None] + ar_r)[:, None, :] > pos[:, :, None], float("-inf"))
+            if causal:  # keys after the query: only columns from the earliest tile start on
+                c0 = int((q0 - k0).min())
+                later = (k0[:, None] + ar_r[c0:])[:, None, :] > pos[:, :, None]
+                log_count[:, :, c0:].masked_fill_(later, float("-inf"))
             yield Chunk(rows, out_rows, kv_rows, log_count, U, T, R)
 
 
@@ -183,11 +185,6 @@ def _flat(x: Tensor, ct: torch.dtype) -> Tensor:
     return x.to(ct).reshape(B, H * n, d)
 
 
-def _kv_rows(k: Tensor, v: Tensor, ct: torch.dtype) -> Tensor:
-    """Keys and values side by side, ``[B, Hkv*n, d + dv]``: one gather fetches both."""
-    return torch.cat([_flat(k, ct), _flat(v, ct)], -1)
-
-
 def _biased_scores(Qg: Tensor, Kg: Tensor, log_count: Tensor, scale: float) -> Tensor:
     """``scale * Q K^T + log count`` as ``[B, U, T, R]`` (-inf where no sample shares a block).
     Consumes ``log_count`` (with one batch the matmul accumulates into it in place)."""
@@ -202,13 +199,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     left uninitialised when ``need_lse`` is False)."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
-    qf, kvf = _flat(q, ct), _kv_rows(k, v, ct)
+    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
     out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)   # + sink row
     lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
     for c in iter_chunks(groups, bounds, shape, ct):
         Qg = _gather(qf, c.rows, c.units, c.tile)
-        KVg = _gather(kvf, c.kv_rows, c.units, c.width)
-        Kg, Vg = KVg[..., :shape.head_dim], KVg[..., shape.head_dim:]
+        Kg = _gather(kf, c.kv_rows, c.units, c.width)
+        Vg = _gather(vf, c.kv_rows, c.units, c.width)
         s = _biased_scores(Qg, Kg, c.log_count, scale)
         # Each query shares a block with itself in every sample: no row is all -inf.
         if need_lse:
@@ -223,7 +220,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``."""
     B, Hq, Hkv, n = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
-    qf, kvf = _flat(q, ct), _kv_rows(k, v, ct)
+    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
     zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
     # Rows past n read the sink row: dO = 0 and lse = +inf, so their probabilities
     # are exactly 0 and they add nothing to dk, dv (no inf * 0).
@@ -236,8 +233,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     for c in iter_chunks(groups, bounds, shape, ct):
         U, T, R = c.units, c.tile, c.width
         Qg = _gather(qf, c.rows, U, T)
-        KVg = _gather(kvf, c.kv_rows, U, R)
-        Kg, Vg = KVg[..., :shape.head_dim], KVg[..., shape.head_dim:]
+        Kg = _gather(kf, c.kv_rows, U, R)
+        Vg = _gather(vf, c.kv_rows, U, R)
         dOg = _gather(dof, c.out_rows, U, T)
         lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
         delta_g = delta.index_select(1, c.out_rows).view(B, U, T, 1)
