@@ -101,7 +101,7 @@ def main() -> None:
 
     mem = peak_memory(n_large)      # first, in a fresh process
     t_small = run_poslsh(n_small, reps)
-    t_sdpa = run_sdpa_alibi(n_small, max(1, reps // 2))
+    t_sdpa = run_sdpa_alibi(n_small, max(3, reps // 2))
     t_large = run_poslsh(n_large, reps)
     t_small_bwd = run_poslsh(n_small, reps, backward=True)
     rows = [

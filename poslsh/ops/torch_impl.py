@@ -95,11 +95,11 @@ def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
 
 
 def choose_tiles(partitions: Partitions, n: int) -> Tensor:
-    """Query-tile height per head: 64 rows, 32 for heads whose blocks are all short.
-    Taller tiles let one gathered key range serve more queries, but a causal tile
-    wastes about half its height in keys per row; 64 measured best at sigma = 4..256."""
+    """Query-tile height per head from its widest block: 32 rows (< 128), 64 (< 1024),
+    else 128. A taller tile shares one gathered key range among more queries, but a
+    causal tile wastes about half its height in keys per row; measured at sigma = 4..256."""
     widest = partitions.widths.amax(1).cpu()
-    t = torch.where(widest < 128, 32, 64)
+    t = torch.where(widest < 128, 32, torch.where(widest < 1024, 64, 128))
     return torch.clamp(t, max=1 << max(0, math.ceil(math.log2(n))))
 
 
