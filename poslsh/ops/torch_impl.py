@@ -13,9 +13,10 @@ sequence, so the union of all samples' blocks touching a tile is one key range
 ``[lo, hi)``; tiles are grouped by padded range width and each group is a single
 batched matmul over all heads and tiles (no Python loop over heads x samples).
 ``count`` for a tile is built with a difference array: +1 at each row's block
-start and -1 at its end (``min(end, i + 1)`` when causal), then a cumulative
-sum, i.e. ``O(s)`` scatters per row plus one pass, instead of ``s`` comparisons
-per score. Rows are owned by exactly one tile, so outputs are written once.
+start and -1 at its end, then a cumulative sum, i.e. ``O(s)`` scatters per row
+plus one pass, instead of ``s`` comparisons per score; rows whose blocks agree in
+every sample share one count row, and the causal mask is applied separately.
+Rows are owned by exactly one tile, so outputs are written once.
 
 Backward is flash-attention 2's with the count-weighted probabilities,
 recomputed tile by tile from the saved ``lse``: memory ``O(n (d + s))`` plus one
