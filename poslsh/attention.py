@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-import torch
 from torch import Tensor
 
 from ._validation import AttnShape, check_heads, check_qkv, check_scale
