@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 

@@ -1,7 +1,5 @@
 import json
 
-import pytest
-
 from poslsh.cli import build_parser, main
 
 

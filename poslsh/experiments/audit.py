@@ -154,7 +154,7 @@ def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> T
                           f"eps3(n={n}, s, delta={delta:g})", trials, viol3, f"{per_cell}/cell", not fail3,
                           f"{len(ss)} values of s"))
         table.append(_row("eq. (4) block size", subject, f"max b_max / bound = {worst4:.3f}",
-                          f"1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
+                          "1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
         slope = fit_slope(ss, means, cfg.fit_min_s)
         c1 = max(m / theory.spectral_expectation_bound(n, s, sigma, 1.0) for s, m in zip(ss, means))
         ok = slope is not None and abs(slope + 0.5) <= cfg.slope_tol

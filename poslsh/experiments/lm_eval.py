@@ -247,7 +247,7 @@ def _describe(cfg, results: List[dict]) -> dict:
              f"tokens; AdamW lr {cfg.lr}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_ratio}; fixed blocks "
              f"of {cfg.fixed_block_size}.")
     if data:
-        setup += f" Split sizes (tokens): " + ", ".join(f"{k} {v['tokens']:,}" for k, v in data.items()) + "."
+        setup += " Split sizes (tokens): " + ", ".join(f"{k} {v['tokens']:,}" for k, v in data.items()) + "."
     scored = results[0]["eval"]["1x"]["tokens"] if results and results[0].get("eval") else cfg.eval_tokens
     evaluation = (f"{cfg.eval_split} split, the same {scored:,} target tokens at every length; lengths "
                   f"{', '.join(str(k * cfg.seq_len) for k in cfg.eval_multipliers)} use a sliding window whose "
@@ -262,7 +262,9 @@ def run_table(cfg, methods, seeds, results_dir: Path, *, progress: bool = True, 
     from .train import run_dir, train
 
     runs = [replace(cfg, method=m, seed=s) for m in methods for s in seeds]
-    todo = [r for r in runs if not (run_dir(r) / "result.json").exists()]
+    # Seed-major training order: a table cut short still has every method at the first seeds.
+    todo = [replace(cfg, method=m, seed=s) for s in seeds for m in methods]
+    todo = [r for r in todo if not (run_dir(r) / "result.json").exists()]
     if train_missing and todo:
         if jobs > 1:
             _train_parallel(todo, jobs)

@@ -56,25 +56,9 @@ def test_output_checks_detect_violations():
     assert output_checks([_record(0, 5.0, s=5)], n, delta)[0] == []
 
 
-def _tiny_model_dir(path):
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      rope_theta=100.0)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(path))
-    return path
-
-
-def test_audit_cli_on_tiny_model(tmp_path):
+def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
     pytest.importorskip("transformers")
-    model = _tiny_model_dir(tmp_path / "model")
+    model = tiny_model_dir
     parser = argparse.ArgumentParser()
     audit.register(parser.add_subparsers())
     out = tmp_path / "audit"

@@ -102,21 +102,6 @@ def test_draw_seeds_independent_and_reproducible():
 
 
 # ------------------------------------------------------------- end to end
-def _tiny_model_dir(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      rope_theta=100.0)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(path))
-    return path
-
-
 def _run(argv):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
@@ -125,9 +110,9 @@ def _run(argv):
     return args.func(args)
 
 
-def test_cli_end_to_end_and_resume(tmp_path, capsys):
+def test_cli_end_to_end_and_resume(tmp_path, capsys, tiny_model_dir):
     pytest.importorskip("transformers")
-    model = _tiny_model_dir(tmp_path / "model")
+    model = tiny_model_dir
     out = tmp_path / "out"
     argv = ["convergence", "--model", str(model), "--inputs-from", "random", "--n", "96", "--inputs", "2",
             "--samples", "1 10 100", "--layers", "0 1", "--out", str(out)]

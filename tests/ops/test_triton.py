@@ -15,7 +15,6 @@ pyproject): ``pytest -m gpu tests/ops/test_triton.py``.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
