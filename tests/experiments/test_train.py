@@ -140,9 +140,15 @@ def test_findings_and_markdown():
     alibi = [r for r in rows if r["method"] == "alibi" and r["length"] == "1x"][0]
     assert alibi["ppl_mean"] == pytest.approx(19.1) and alibi["ppl_std"] == pytest.approx(np.std([19, 19.2], ddof=1))
     text = lm_eval.render_markdown(rows, {"title": "t", "command": "`poslsh table`"})
-    assert "| Positional LSH, s=20 | 19.100 ± 0.000" in text and "PPL @8 (training)" in text
+    assert "| Positional LSH, s=20 | 1 | 19.10 | 40.00 |" in text and "PPL @8 (training)" in text
+    assert "| ALiBi | 2 | 19.10 ± 0.14 |" in text
     found = lm_eval.findings(rows)
     assert all("does NOT" not in f for f in found), found
+    # a second seed of s=20 makes the ALiBi gap paired per seed; 19.9 vs 19.2 is +3.6%: fails
+    rows = lm_eval.aggregate(res + [run("poslsh-s20", 1, 19.9, 19.0)], ["alibi", "poslsh-s20"])
+    gap = [f for f in lm_eval.findings(rows) if "within about 1%" in f][0]
+    print(gap)
+    assert "per seed: +0.53%, +3.65%" in gap and "does NOT hold" in gap
 
 
 # --------------------------------------------------------------- training
