@@ -453,8 +453,15 @@ def _cmd_eval(args) -> int:
 
     cfg = config_from_args(args)
     ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir(cfg))
+    if ckpt is not None and ckpt.name == "latest" and ckpt.is_file():   # the pointer file itself
+        ckpt = ckpt.parent / ckpt.read_text().strip()
+    elif ckpt is not None and not (ckpt / "model.safetensors").exists():  # a run directory
+        ckpt = latest_checkpoint(ckpt) or ckpt
     if ckpt is None:
         raise SystemExit(f"no checkpoint under {run_dir(cfg)}: train it first (poslsh train ...)")
+    if not (ckpt / "model.safetensors").exists():
+        raise SystemExit(f"{ckpt} is not a checkpoint (no model.safetensors): pass a checkpoint directory, "
+                         "its 'latest' pointer or a run directory")
     dist = Dist(cfg.device)
     data = load_data(cfg, dist)
     model = build_model(cfg, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
@@ -494,7 +501,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="evaluate a trained run (PPL / accuracy at 1x, 2x, 4x the training length)")
     add_config_arguments(p)
     p.add_argument("--method", help=f"method of the run: {', '.join(METHODS)}")
-    p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's latest)")
+    p.add_argument("--checkpoint", help="a checkpoint directory, a run directory or its checkpoints/latest "
+                   "pointer (default: this run's latest)")
     p.set_defaults(func=_cmd_eval)
 
     p = subparsers.add_parser("table", help="run every method x seed of a preset (resuming) and write the table")

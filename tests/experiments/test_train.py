@@ -183,6 +183,13 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
                  "--set", "eval_multipliers=1,2"]) == 0      # `poslsh eval` on the saved checkpoint
     again = json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]
     assert set(again) == {"1x", "2x"} and again["1x"]["ppl"] == pytest.approx(res["eval"]["1x"]["ppl"], rel=1e-6)
+    # --checkpoint accepts the run directory and the `latest` pointer, and rejects anything else
+    for ckpt in (run_dir(cfg), run_dir(cfg) / "checkpoints" / "latest"):
+        assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress",
+                     "--set", "eval_multipliers=1", "--checkpoint", str(ckpt)]) == 0
+        assert json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]["1x"]["ppl"] == again["1x"]["ppl"]
+    with pytest.raises(SystemExit, match="not a checkpoint"):
+        main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--checkpoint", str(tmp_path)])
 
 
 def test_resume_after_kill_equals_uninterrupted(tmp_path):
