@@ -473,7 +473,12 @@ def _cmd_eval(args) -> int:
     res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": str(ckpt), "split": cfg.eval_split,
            "eval": evaluate(model, data.splits[cfg.eval_split], cfg, dist, progress=not args.no_progress)}
     if dist.main:
-        atomic_write_text(run_dir(cfg) / f"eval-{cfg.eval_split}.json", json.dumps(res, indent=1))
+        # A checkpoint of another run evaluated as this method is filed with the checkpoint, under
+        # a name that says so, never over this run's own evaluation.
+        own = run_dir(cfg).resolve() in ckpt.resolve().parents
+        out = (run_dir(cfg) / f"eval-{cfg.eval_split}.json" if own
+               else ckpt.parent.parent / f"eval-{cfg.eval_split}-as-{cfg.method}.json")
+        atomic_write_text(out, json.dumps(res, indent=1))
         for k, r in res["eval"].items():
             print(f"{k} (context {r['context']}): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%")
     return 0

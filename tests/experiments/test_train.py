@@ -188,6 +188,11 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
         assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress",
                      "--set", "eval_multipliers=1", "--checkpoint", str(ckpt)]) == 0
         assert json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]["1x"]["ppl"] == again["1x"]["ppl"]
+    # another run's checkpoint evaluated as a different method is filed with that checkpoint
+    other = replace(cfg, method="alibi")
+    assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress", "--set",
+                 "eval_multipliers=1", "--method", "alibi", "--checkpoint", str(run_dir(cfg))]) == 0
+    assert (run_dir(cfg) / "eval-test-as-alibi.json").exists() and not run_dir(other).exists()
     with pytest.raises(SystemExit, match="not a checkpoint"):
         main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--checkpoint", str(tmp_path)])
 
