@@ -357,23 +357,19 @@ def _compiled_matches_eager(fn, q, k, v):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_compile_fullgraph_inductor():
+@pytest.mark.parametrize("path", ["custom_op", "dispatcher"])
+def test_gpu_compile_fullgraph(path):
+    """torch.compile(fullgraph=True) through the custom op itself and through poslsh_attention."""
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0).to("cuda")
     q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 2048, 64, dtype=torch.bfloat16, device="cuda"))
 
-    def loss(q, k, v):
-        return pt.attention(q * 1.0, k, v, parts, causal=True).float().square().mean()
-    _compiled_matches_eager(loss, q, k, v)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_compile_fullgraph_through_dispatcher():
-    parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0).to("cuda")
-    q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 2048, 64, dtype=torch.bfloat16, device="cuda"))
+    def attend(q, k, v):
+        if path == "custom_op":
+            return pt.attention(q, k, v, parts, causal=True)
+        return poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="triton")
 
     def loss(q, k, v):
-        return poslsh.poslsh_attention(q * 1.0, k, v, parts, causal=True, backend="triton").float().square().mean()
+        return attend(q * 1.0, k, v).float().square().mean()
     _compiled_matches_eager(loss, q, k, v)
 
 
