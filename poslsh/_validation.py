@@ -25,8 +25,9 @@ class AttnShape(NamedTuple):
         return self.q_heads // self.kv_heads
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
-    """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]``."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False) -> AttnShape:
+    """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]``; with
+    ``kv_cache`` the keys may be longer than the queries (``seqlen`` is the queries')."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -44,7 +45,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
         raise ValueError(f"k and v must agree in [batch, heads, seqlen], got {tuple(k.shape)} and {tuple(v.shape)}")
     if Bk != B:
         raise ValueError(f"batch size of q ({B}) and k/v ({Bk}) differ")
-    if nk != n:
+    if nk != n and not (kv_cache and nk > n):
         raise ValueError(f"q has seqlen {n} but k/v have {nk}: self-attention needs equal lengths")
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and k ({dk}) differ")

@@ -7,6 +7,7 @@ paper's notation the attention weights are multiplied by
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -56,19 +57,23 @@ def _as_1d(values, name: str) -> Tensor:
 
 
 def alibi_bias(n: int, slopes, *, causal: bool = False, dtype: torch.dtype = torch.float32,
-               device=None) -> Tensor:
-    """Dense additive ALiBi bias, shape ``[H, n, n]``: ``-m_h * |i - j|``.
+               device=None, num_queries: Optional[int] = None) -> Tensor:
+    """Dense additive ALiBi bias, shape ``[H, nq, n]``: ``-m_h * |i - j|``.
 
-    With ``causal=True`` the entries above the diagonal are ``-inf``. This is a
-    dense ``n x n`` tensor: meant for references, tests and baselines.
+    Rows are the last ``nq = num_queries`` positions (default ``n``: all of them;
+    fewer for queries decoded against a KV cache of ``n`` keys). With
+    ``causal=True`` keys after the query get ``-inf``. This is a dense tensor:
+    meant for references, tests, baselines and short decoding steps.
     """
     slopes = _as_1d(slopes, "slopes")
     device = slopes.device if device is None else device
-    pos = torch.arange(n, device=device, dtype=torch.float64)
-    dist = (pos[:, None] - pos[None, :]).abs()
+    nq = n if num_queries is None else int(num_queries)
+    kpos = torch.arange(n, device=device, dtype=torch.float64)
+    qpos = kpos[n - nq:]
+    dist = (qpos[:, None] - kpos[None, :]).abs()
     bias = -slopes.to(device=device, dtype=torch.float64)[:, None, None] * dist
     if causal:
-        bias = bias.masked_fill(torch.ones(n, n, dtype=torch.bool, device=device).triu(1), float("-inf"))
+        bias = bias.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
     return bias.to(dtype)
 
 

@@ -1,54 +1,21 @@
 """``poslsh_attention``: the public op and its backend dispatcher."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import List, Optional
 
 from torch import Tensor
 
-from ._validation import AttnShape, check_heads, check_qkv, check_scale
+from ._validation import check_heads, check_qkv, check_scale
+from .ops import load_backends, registry
 from .partitions import Partitions
-from .reference import poslsh_attention_reference
 
-__all__ = ["poslsh_attention", "available_backends", "register_backend"]
-
-# name -> (is_available(q) -> bool, fn(q, k, v, partitions, shape, causal, scale) -> out)
-_BACKENDS: Dict[str, tuple] = {}
-# Preference order for backend="auto": the first available one wins. The Triton
-# kernel is only auto-selected for CUDA tensors (on CPU it runs only under the
-# interpreter, TRITON_INTERPRET=1, for tests).
-_AUTO_ORDER = ["triton", "torch"]
+__all__ = ["poslsh_attention", "available_backends"]
 
 
-def register_backend(name: str, fn: Callable, is_available: Callable[[Tensor], bool]) -> None:
-    """Register a backend; ``fn(q, k, v, partitions, shape, causal, scale) -> out``."""
-    _BACKENDS[name] = (is_available, fn)
-
-
-def _torch_backend(q, k, v, partitions, shape: AttnShape, causal: bool, scale: float) -> Tensor:
-    from .ops import torch_impl
-
-    return torch_impl.attention(q, k, v, partitions, shape, causal, scale)
-
-
-def _reference_backend(q, k, v, partitions, shape, causal, scale) -> Tensor:
-    return poslsh_attention_reference(q, k, v, partitions, causal=causal, scale=scale)
-
-
-register_backend("torch", _torch_backend, lambda q: True)
-register_backend("reference", _reference_backend, lambda q: True)
-
-
-def _load_optional_backends() -> None:
-    try:  # the Triton kernel registers itself on import when triton is installed
-        from .ops import triton as _triton  # noqa: F401
-    except ImportError:
-        pass
-
-
-def available_backends(q: Optional[Tensor] = None) -> list:
+def available_backends(q: Optional[Tensor] = None) -> List[str]:
     """Names of the backends usable for ``q`` (all registered ones when ``q`` is None)."""
-    _load_optional_backends()
-    return [name for name, (ok, _) in _BACKENDS.items() if q is None or ok(q)]
+    load_backends()
+    return [b.name for b in registry.registered() if q is None or b.can_run(q)]
 
 
 def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *, causal: bool = False,
@@ -81,13 +48,6 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
     shape = check_qkv(q, k, v)
     check_heads(partitions, shape.q_heads)
     scale = check_scale(scale, shape.head_dim)
-    _load_optional_backends()
-    if backend == "auto":
-        backend = next(name for name in _AUTO_ORDER if name in _BACKENDS and _BACKENDS[name][0](q)
-                       and (name != "triton" or q.is_cuda))
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_BACKENDS)}")
-    is_available, fn = _BACKENDS[backend]
-    if not is_available(q):
-        raise ValueError(f"backend {backend!r} cannot run on {q.device} / {q.dtype} tensors")
-    return fn(q, k, v, partitions.to(q.device), shape, bool(causal), scale)
+    load_backends()
+    chosen = registry.resolve(backend, q)
+    return chosen.fn(q, k, v, partitions.to(q.device), shape, bool(causal), scale)

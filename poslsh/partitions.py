@@ -13,12 +13,13 @@ partitions whatever device they are moved to afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Partitions", "Blocks", "sample_partitions"]
+__all__ = ["Partitions", "Blocks", "sample_partitions", "hash_positions", "bin_start", "block_labels",
+           "block_bounds"]
 
 
 class Blocks(NamedTuple):
@@ -109,11 +110,7 @@ class Partitions:
         widths = torch.full((num_heads, 1), float(block_size), dtype=torch.float64, device=device)
         return cls(widths, torch.zeros_like(widths), None)
 
-    # --------------------------------------------------------------- hashing
-    def _hash(self, u: Tensor) -> Tensor:
-        """``floor((u - c) / b)`` for positions ``u`` broadcast against ``[H, s, 1]``."""
-        return torch.floor((u - self.offsets[..., None]) / self.widths[..., None])
-
+    # --------------------------------------------------------------- geometry
     def block_ids(self, n: int) -> Tensor:
         """Block label of every position, int64 ``[H, s, n]``.
 
@@ -122,8 +119,7 @@ class Partitions:
         """
         n = _check_length(n)
         u = torch.arange(n, dtype=torch.float64, device=self.device)
-        h = self._hash(u)
-        return (h - h[..., :1]).to(torch.int64)
+        return block_labels(self.widths, self.offsets, u).to(torch.int64)
 
     def blocks(self, n: int) -> Blocks:
         """The blocks of ``[0, n)`` for every (head, sample), computed from the bin
@@ -133,9 +129,8 @@ class Partitions:
         H, s = self.widths.shape
         dev = self.device
         w, c = self.widths.reshape(-1), self.offsets.reshape(-1)
-        zero = torch.zeros(1, dtype=torch.float64, device=dev)
-        first = torch.floor((zero - c) / w)
-        last = torch.floor((zero + (n - 1) - c) / w)
+        first = hash_positions(torch.zeros(1, dtype=torch.float64, device=dev), w, c)
+        last = hash_positions(torch.full((1,), float(n - 1), dtype=torch.float64, device=dev), w, c)
         # Bins of width <= 1 hold at most one integer: every position is its own
         # block (and bins may be empty), so enumerate positions, not bins.
         singleton = w <= 1.0
@@ -145,13 +140,7 @@ class Partitions:
         rank = torch.arange(pair.numel(), device=dev) - group_start[pair]
         wp, cp = w[pair], c[pair]
         label = first[pair] + rank.to(torch.float64)
-        # Start of bin `label`: the smallest integer u with floor((u - c) / b) >= label.
-        # ceil(c + label * b) is off by one at most through rounding; fix it with the
-        # hash itself so blocks() and block_ids() agree exactly.
-        u = torch.ceil(cp + label * wp)
-        u = torch.where(torch.floor((u - 1 - cp) / wp) >= label, u - 1, u)
-        u = torch.where(torch.floor((u - cp) / wp) < label, u + 1, u)
-        start = torch.where(singleton[pair], rank.to(torch.float64), u)
+        start = torch.where(singleton[pair], rank.to(torch.float64), bin_start(label, wp, cp))
         start = start.clamp(0, n).to(torch.int64)
         start = torch.where(rank == 0, torch.zeros_like(start), start)
         is_last = rank == (nbins[pair] - 1)
@@ -160,6 +149,12 @@ class Partitions:
         keep = length > 0
         pair, start, length = pair[keep], start[keep], length[keep]
         return Blocks(pair // s, pair % s, start, length)
+
+    def block_bounds(self, n: int, positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """``[start, end)`` of the block holding each of ``positions`` (int ``[P]``, in
+        ``[0, n)``) in every (head, sample): two int64 ``[H, s, P]`` tensors, equal to
+        what :meth:`blocks` gives for those positions."""
+        return block_bounds(self.widths, self.offsets, _check_length(n), positions)
 
     def max_block_size(self, n: int) -> int:
         """The largest block size over all heads and samples for length ``n``."""
@@ -186,6 +181,46 @@ class Partitions:
         for rows, cols, sign in ((a, a, 1), (a, e, -1), (e, a, -1), (e, e, 1)):
             diff.index_put_((h, rows, cols), sign * ones, accumulate=True)
         return diff.cumsum(1).cumsum(2)[:, :n, :n].contiguous()
+
+
+# ------------------------------------------------------------------ geometry
+# The one definition of the block geometry. Every consumer (Partitions, the torch
+# backend, the Triton plan and its kernel, the analysis code) uses these float64
+# expressions, so all of them see exactly the same blocks.
+def hash_positions(u: Tensor, widths: Tensor, offsets: Tensor) -> Tensor:
+    """Random-binning hash ``floor((u - c) / b)`` (float64), broadcast as given."""
+    return torch.floor((u - offsets) / widths)
+
+
+def bin_start(label: Tensor, widths: Tensor, offsets: Tensor) -> Tensor:
+    """Smallest integer ``u`` with ``hash(u) >= label`` (float64, elementwise).
+    ``ceil(c + label * b)`` is off by one at most through rounding; the hash fixes it."""
+    u = torch.ceil(offsets + label * widths)
+    u = torch.where(hash_positions(u - 1, widths, offsets) >= label, u - 1, u)
+    return torch.where(hash_positions(u, widths, offsets) < label, u + 1, u)
+
+
+def block_labels(widths: Tensor, offsets: Tensor, u: Tensor) -> Tensor:
+    """Block labels (float64, ``[H, s, len(u)]``) of float64 positions ``u`` relative to
+    position 0's bin: equal labels <=> same block. Bins of width <= 1 hold at most one
+    integer, and positions then label themselves (their hash can be huge)."""
+    w, c = widths[..., None], offsets[..., None]
+    first = hash_positions(torch.zeros((), dtype=torch.float64, device=u.device), w, c)
+    return torch.where(w <= 1.0, u.expand(*w.shape[:-1], u.numel()), hash_positions(u, w, c) - first)
+
+
+def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> Tuple[Tensor, Tensor]:
+    """``[start, end)`` (int64 ``[H, s, P]``) of the block of each position, clipped to ``[0, n)``."""
+    w, c = widths.to(torch.float64)[..., None], offsets.to(torch.float64)[..., None]
+    u = positions.to(torch.float64)
+    lab = hash_positions(u, w, c)
+    start = bin_start(lab, w, c).clamp(0, n)
+    end = bin_start(lab + 1, w, c).clamp(0, n)
+    single = w <= 1.0
+    start = torch.where(single, u.expand_as(start), start)
+    end = torch.where(single, (u + 1).expand_as(end), end)
+    return start.to(torch.int64), end.to(torch.int64)
+
 
 
 def _validate_sigma(sigma) -> Tensor:

@@ -13,12 +13,54 @@ from ._validation import check_heads, check_qkv, check_scale, compute_dtype
 from .alibi import _as_1d, alibi_bias
 from .partitions import Partitions
 
-__all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention_with_bias"]
+__all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention", "dense_attention_with_bias"]
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, *,
+                    allowed: Optional[Tensor] = None, causal: bool = False,
+                    scale: Optional[float] = None) -> Tensor:
+    """``softmax(q k^T * scale + bias) v`` with GQA and masks, computed densely.
+
+    The one dense attention of the library: the oracles below and the Hugging Face
+    adapter's exact paths (ALiBi, KV-cache decoding, general masks) all use it.
+
+    Args:
+        q: ``[B, Hq, nq, d]``: the queries are the *last* ``nq`` of the ``nk`` key
+            positions (``nq = nk`` for self-attention, ``nq < nk`` for a KV cache).
+        k: ``[B, Hkv, nk, d]``; v: ``[B, Hkv, nk, dv]`` (``Hq`` a multiple of ``Hkv``).
+        bias: additive logits bias broadcastable to ``[B, Hq, nq, nk]`` (``-inf`` masks).
+        allowed: boolean mask broadcastable to ``[B, Hq, nq, nk]``, True = attend.
+        causal: also mask keys after each query.
+        scale: logit scale, default ``1 / sqrt(d)``.
+    Returns:
+        ``[B, Hq, nq, dv]`` in ``q.dtype`` (computed in float32, or float64 for float64
+        input). Masked logits become the dtype's lowest finite value, not ``-inf``: a
+        row with nothing to attend (a padding query) gets uniform weights, not NaN.
+    """
+    shape = check_qkv(q, k, v, kv_cache=True)
+    scale = check_scale(scale, shape.head_dim)
+    ct = compute_dtype(q.dtype)
+    nq, nk = q.shape[2], k.shape[2]
+    kx = k.to(ct).repeat_interleave(shape.group, dim=1)
+    vx = v.to(ct).repeat_interleave(shape.group, dim=1)
+    scores = torch.matmul(q.to(ct), kx.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(ct)
+    keep = allowed
+    if causal:
+        qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        later = torch.arange(nk, device=q.device)[None, :] > qpos
+        keep = ~later if keep is None else keep & ~later
+    lowest = torch.finfo(ct).min
+    if keep is not None:
+        scores = scores.masked_fill(~keep, lowest)
+    scores = scores.clamp_min(lowest)
+    return torch.matmul(torch.softmax(scores, dim=-1), vx).to(q.dtype)
 
 
 def dense_attention_with_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool = False,
                               scale: Optional[float] = None) -> Tensor:
-    """``softmax(q k^T * scale + bias) v`` with GQA, computed densely.
+    """Self-attention ``softmax(q k^T * scale + bias) v`` (:func:`dense_attention` with ``nq = nk``).
 
     Args:
         q: ``[B, Hq, n, d]``; k: ``[B, Hkv, n, d]``; v: ``[B, Hkv, n, dv]``.
@@ -26,17 +68,8 @@ def dense_attention_with_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, 
     Returns:
         ``[B, Hq, n, dv]`` in ``q.dtype`` (computed in float32, or float64 for float64 input).
     """
-    shape = check_qkv(q, k, v)
-    scale = check_scale(scale, shape.head_dim)
-    ct = compute_dtype(q.dtype)
-    kx = k.to(ct).repeat_interleave(shape.group, dim=1)
-    vx = v.to(ct).repeat_interleave(shape.group, dim=1)
-    scores = torch.matmul(q.to(ct), kx.transpose(-1, -2)) * scale + bias.to(ct)
-    if causal:
-        n = shape.seqlen
-        upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(upper, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vx).to(q.dtype)
+    check_qkv(q, k, v)
+    return dense_attention(q, k, v, bias, causal=causal, scale=scale)
 
 
 def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = False,

@@ -11,132 +11,100 @@ Importing this module registers three attention implementations with
 Any Llama / Qwen3 / Mistral-family model then runs with
 ``attn_implementation="poslsh"``. :func:`apply_positional_scheme` goes further
 and turns a model (or config) into one whose *only* positional signal is ALiBi /
-PosLSH / fixed blocks: the rotary embedding is replaced by one returning
-``cos = 1, sin = 0`` (so ``apply_rotary_pos_emb`` is the identity).
+PosLSH / fixed blocks (RoPE removed; see :mod:`poslsh.integrations.hf_convert`).
 
 Partitions: per query head ``sigma_h = 1 / alibi_slope_h`` for the model's number
 of query heads (GQA: key/value heads are shared, partitions are per query head).
 In training mode every forward pass draws fresh partitions seeded by
-``(seed, step, layer)`` where ``step`` is set with :func:`set_training_step`
-(so runs are reproducible and gradient-checkpoint recomputation sees the same
-partitions); in eval mode each layer has fixed partitions seeded by
-``(eval_seed, layer)``. Parameters live in ``config.poslsh`` (a dict, saved
-with the config).
+``(seed, step, layer)``, where ``step`` is passed along with the inputs:
+``model(input_ids, poslsh_step=step)`` (transformers hands extra keyword arguments
+down to the attention functions, so gradient-checkpoint recomputation sees the
+same step). Without it each layer counts its own training forward passes. In
+eval mode each layer has fixed partitions seeded by ``(eval_seed, layer)``.
+Parameters live in ``config.poslsh`` (a dict, saved with the config). Each
+attention layer keeps one :class:`LayerState`: its partitions, already on the
+device, and the ALiBi bias of the last shape.
 
 Masks: with no mask (or an all-ones padding mask) the near-linear kernel runs.
 A causal mask with contiguous per-row key padding (right or left padding) also
 runs the kernel: each row is rolled so its valid tokens start at position 0,
 which makes positions after the valid run the only padding, and causal queries
 never see them. Any other mask (packed sequences, decoding with a KV cache,
-custom 4-D masks) is applied exactly by a dense ``O(n^2)`` fallback.
+custom 4-D masks) is applied exactly by the dense
+:func:`poslsh.reference.dense_attention` (``O(nq nk)``), with one warning per model
+that names the cause.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import logging
-from dataclasses import asdict, dataclass
-from typing import Optional
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..alibi import alibi_sigmas, alibi_slopes
+from ..alibi import alibi_bias, alibi_sigmas
 from ..attention import poslsh_attention
 from ..partitions import Partitions, sample_partitions
+from ..reference import dense_attention
+from ..seeding import stable_seed
+from .hf_convert import (IMPLEMENTATIONS, SCHEMES, NoRotaryEmbedding, PositionalConfig, attention_modules,
+                         convert, positional_config)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "PositionalConfig", "register", "apply_positional_scheme",
-           "model_from_config", "positional_config", "set_training_step", "layer_partitions",
+           "model_from_config", "positional_config", "layer_partitions", "LayerState",
            "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward"]
 
 log = logging.getLogger(__name__)
-
-SCHEMES = ("original", "alibi", "poslsh", "fixed_blocks")
-IMPLEMENTATIONS = ("alibi", "poslsh", "fixed_blocks")
-CONFIG_KEY = "poslsh"
-
-
-@dataclass(frozen=True)
-class PositionalConfig:
-    """Positional scheme of a model, stored as ``config.poslsh``."""
-
-    scheme: str = "poslsh"       # one of SCHEMES
-    num_samples: int = 10        # s, partitions per head (poslsh)
-    block_size: int = 512        # fixed_blocks block size
-    seed: int = 0                # training partitions: seeded by (seed, step, layer)
-    eval_seed: int = 0           # eval partitions: seeded by (eval_seed, layer)
-    backend: str = "auto"        # poslsh_attention backend
-    rope_removed: bool = False   # set by apply_positional_scheme on a model
-
-    def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"unknown positional scheme {self.scheme!r}; choose from {SCHEMES}")
-        for name in ("num_samples", "block_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-
-
-def positional_config(config) -> PositionalConfig:
-    """The :class:`PositionalConfig` of a transformers config (defaults if unset)."""
-    raw = getattr(config, CONFIG_KEY, None)
-    if isinstance(raw, PositionalConfig):
-        return raw
-    if raw:
-        return PositionalConfig(**raw)
-    impl = getattr(config, "_attn_implementation", None)
-    return PositionalConfig(scheme=impl if impl in IMPLEMENTATIONS else "original")
+STEP_KWARG = "poslsh_step"
 
 
 # ------------------------------------------------------------------ partitions
-def partition_seed(*parts) -> int:
-    """A stable 63-bit seed from its parts (independent of Python's hash salt)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+@dataclass
+class LayerState:
+    """What one attention layer keeps between calls (one attribute on the module)."""
+
+    partitions: Dict[str, Tuple[tuple, Partitions]] = field(default_factory=dict)  # slot -> (key, on device)
+    auto_step: int = -1                       # training forward passes seen without an explicit step
+    alibi: Optional[Tuple[tuple, Tensor]] = None   # (shape key, bias [H, nq, nk])
 
 
-def _attention_modules(model: nn.Module):
-    return [m for m in model.modules()
-            if hasattr(m, "layer_idx") and hasattr(m, "config") and type(m).__name__.endswith("Attention")]
+def layer_state(module: nn.Module) -> LayerState:
+    state = module.__dict__.get("_poslsh_state")
+    if state is None:
+        state = LayerState()
+        module.__dict__["_poslsh_state"] = state
+    return state
 
 
-def set_training_step(model: nn.Module, step: int) -> None:
-    """Make training-mode partitions of every layer depend on ``step`` (call before each
-    forward pass; the trainer does). Without it each layer counts its own training
-    forward passes, which is not safe with gradient checkpointing."""
-    for m in _attention_modules(model):
-        m.poslsh_step = int(step)
-
-
-def layer_partitions(module: nn.Module, num_heads: int, scheme: str = "poslsh") -> Partitions:
-    """The partitions an attention layer uses now (see the module docstring)."""
+def layer_partitions(module: nn.Module, num_heads: int, scheme: str = "poslsh", *, step: Optional[int] = None,
+                     device=None) -> Partitions:
+    """The partitions an attention layer uses now, on ``device`` (see the module docstring)."""
     pc = positional_config(module.config)
-    cache = module.__dict__.setdefault("_poslsh_partitions", {})
+    state = layer_state(module)
     if scheme == "fixed_blocks":
-        key = ("fixed", num_heads, pc.block_size)
-        slot = "fixed"
+        key, slot = ("fixed", num_heads, pc.block_size), "fixed"
     else:
         layer = int(getattr(module, "layer_idx", 0) or 0)
         if module.training:
-            step = getattr(module, "poslsh_step", None)
             if step is None:   # no explicit step: count forward passes of this layer
-                step = module.__dict__.get("_poslsh_auto_step", -1) + 1
-                module._poslsh_auto_step = step
-            key = ("train", pc.seed, step, layer, num_heads, pc.num_samples)
-            slot = "train"
+                state.auto_step += 1
+                step = state.auto_step
+            key, slot = ("train", pc.seed, int(step), layer, num_heads, pc.num_samples), "train"
         else:
-            key = ("eval", pc.eval_seed, layer, num_heads, pc.num_samples)
-            slot = "eval"
-    hit = cache.get(slot)
-    if hit is not None and hit[0] == key:
+            key, slot = ("eval", pc.eval_seed, layer, num_heads, pc.num_samples), "eval"
+    device = torch.device("cpu") if device is None else torch.device(device)
+    hit = state.partitions.get(slot)
+    if hit is not None and hit[0] == (key, device):
         return hit[1]
     if scheme == "fixed_blocks":
         parts = Partitions.fixed_blocks(num_heads, pc.block_size)
     else:
-        parts = sample_partitions(alibi_sigmas(num_heads), pc.num_samples, seed=partition_seed(*key))
-    cache[slot] = (key, parts)
+        parts = sample_partitions(alibi_sigmas(num_heads), pc.num_samples, seed=stable_seed(*key))
+    parts = parts.to(device)
+    state.partitions[slot] = ((key, device), parts)
     return parts
 
 
@@ -218,40 +186,33 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _dense_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Optional[Tensor], bias: Tensor,
-                     scaling: float, causal: bool, sliding_window: Optional[int] = None) -> Tensor:
-    """Exact attention with an additive bias ``[H, nq, nk]`` (``-inf`` allowed) and a mask.
-    Queries are the last ``nq`` positions of the ``nk`` keys (KV-cache decoding)."""
-    B, H, nq, _ = query.shape
-    nk = key.shape[2]
-    ct = torch.float64 if query.dtype == torch.float64 else torch.float32
-    if allowed is None:
-        qpos = torch.arange(nk - nq, nk, device=query.device)[:, None]
-        kpos = torch.arange(nk, device=query.device)[None, :]
-        allowed = (kpos <= qpos) if causal else torch.ones(nq, nk, dtype=torch.bool, device=query.device)
-        if sliding_window is not None:
-            allowed = allowed & (qpos - kpos < sliding_window)
-        allowed = allowed[None, None]
-    lowest = torch.finfo(ct).min
-    # finfo.min, not -inf: a row with nothing to attend (padding) gets uniform weights, not NaN.
-    mask = torch.where(allowed, bias.to(ct)[None], lowest).clamp_min(lowest)
-    group = H // key.shape[1]
-    k = key.to(ct).repeat_interleave(group, dim=1)
-    v = value.to(ct).repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(query.to(ct), k, v, attn_mask=mask, scale=scaling)
-    return out.to(query.dtype)
+def _window_mask(allowed: Optional[Tensor], nq: int, nk: int, causal: bool, window: Optional[int],
+                 device) -> Optional[Tensor]:
+    """The boolean mask of the dense path: the given one, or causal, narrowed to a sliding window."""
+    if window is None:
+        return allowed
+    qpos = torch.arange(nk - nq, nk, device=device)[:, None]
+    kpos = torch.arange(nk, device=device)[None, :]
+    near = (qpos - kpos < window) & ((kpos <= qpos) if causal else True)
+    return near[None, None] if allowed is None else allowed & near
 
 
-def _alibi_bias(module, H: int, nq: int, nk: int, device) -> Tensor:
-    cache = module.__dict__.setdefault("_poslsh_alibi_bias", {})
+def _dense(query, key, value, allowed, bias, scaling, causal, window) -> Tensor:
+    """Exact attention with an additive bias ``[H, nq, nk]``; queries are the last ``nq`` of
+    ``nk`` positions. A given mask is authoritative (it already encodes causality)."""
+    nq, nk = query.shape[2], key.shape[2]
+    mask = _window_mask(allowed, nq, nk, causal, window, query.device)
+    return dense_attention(query, key, value, bias[None], allowed=mask, causal=causal and mask is None,
+                           scale=scaling)
+
+
+def _alibi(module, H: int, nq: int, nk: int, device) -> Tensor:
+    state = layer_state(module)
     key = (H, nq, nk, str(device))
-    if key not in cache:
-        cache.clear()
-        slopes = alibi_slopes(H, dtype=torch.float32, device=device)
-        qpos = torch.arange(nk - nq, nk, device=device, dtype=torch.float32)
-        kpos = torch.arange(nk, device=device, dtype=torch.float32)
-        cache[key] = -slopes[:, None, None] * (qpos[:, None] - kpos[None, :]).abs()
-    return cache[key]
+    if state.alibi is None or state.alibi[0] != key:
+        state.alibi = (key, alibi_bias(nk, alibi_sigmas(H).reciprocal(), dtype=torch.float32, device=device,
+                                       num_queries=nq))
+    return state.alibi[1]
 
 
 def _sliding(kwargs, nk: int) -> Optional[int]:
@@ -259,43 +220,54 @@ def _sliding(kwargs, nk: int) -> Optional[int]:
     return int(w) if w is not None and int(w) < nk else None
 
 
+# Dense-fallback warnings already given: (id(config), cause) -> config (weak: dies with the model).
+_WARNED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _warn_dense_once(module, scheme: str, cause: str) -> None:
+    key = (id(module.config), scheme, cause)
+    if _WARNED.get(key) is not module.config:
+        log.warning("%s attention: %s needs the exact dense O(nq * nk) path (warned once per model)", scheme, cause)
+        _WARNED[key] = module.config
+
+
 def _block_attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None,
                              dropout: float = 0.0, **kwargs):
+    step = kwargs.pop(STEP_KWARG, None)
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
-    H, d, nk = query.shape[1], query.shape[3], key.shape[2]
+    H, d, nq, nk = query.shape[1], query.shape[3], query.shape[2], key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    parts = layer_partitions(module, H, scheme)
+    parts = layer_partitions(module, H, scheme, step=step, device=query.device)
     backend = positional_config(module.config).backend
     allowed = _allowed(attention_mask)
     window = _sliding(kwargs, nk)
     with _no_autocast(query.device):
-        out = _block_core(query, key, value, parts, allowed, causal, scaling, backend, window, scheme, module)
+        out = None
+        if nq == nk and window is None:
+            out = _kernel(query, key, value, parts, allowed, causal, scaling, backend)
+        if out is None:   # general mask / KV-cache decoding: exact, dense O(nq * nk)
+            cause = (f"KV-cache decoding ({nq} queries, {nk} keys)" if nq != nk else
+                     "a sliding window" if window is not None else
+                     "a mask other than causal padding (packed sequences or a custom 4-D mask)")
+            _warn_dense_once(module, scheme, cause)
+            count = parts.dense_count(nk)[:, nk - nq:, :].to(torch.float64)
+            out = _dense(query, key, value, allowed, torch.log(count), scaling, causal, window)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _block_core(query, key, value, parts, allowed, causal, scaling, backend, window, scheme, module):
-    nq, nk = query.shape[2], key.shape[2]
-    out = None
-    if nq == nk and window is None:
-        if allowed is None:
-            out = poslsh_attention(query, key, value, parts, causal=causal, scale=scaling, backend=backend)
-        elif causal and (start := _causal_key_runs(allowed)) is not None:
-            if bool((start == 0).all()):   # right padding: valid queries never see the padded keys
-                out = poslsh_attention(query, key, value, parts, causal=True, scale=scaling, backend=backend)
-            else:                          # left padding: roll each row so it becomes right padding
-                q, k, v = (_roll_rows(t, start) for t in (query, key, value))
-                o = poslsh_attention(q, k, v, parts, causal=True, scale=scaling, backend=backend)
-                out = _roll_rows(o, -start)
-    if out is None:  # general mask / KV-cache decoding: exact, dense O(nq * nk)
-        if not module.__dict__.get("_poslsh_warned_dense"):
-            log.warning("%s attention: mask or shapes need the dense O(n^2) fallback (nq=%d, nk=%d)",
-                        scheme, nq, nk)
-            module._poslsh_warned_dense = True
-        count = parts.to(query.device).dense_count(nk)[:, nk - nq:, :].to(torch.float64)
-        out = _dense_attention(query, key, value, allowed, torch.log(count), scaling, causal, window)
-    return out
+def _kernel(query, key, value, parts, allowed, causal, scaling, backend) -> Optional[Tensor]:
+    """The near-linear op when the mask allows it (none, or causal with contiguous padding)."""
+    if allowed is None:
+        return poslsh_attention(query, key, value, parts, causal=causal, scale=scaling, backend=backend)
+    if not causal or (start := _causal_key_runs(allowed)) is None:
+        return None
+    if bool((start == 0).all()):   # right padding: valid queries never see the padded keys
+        return poslsh_attention(query, key, value, parts, causal=True, scale=scaling, backend=backend)
+    # left padding: roll each row so it becomes right padding
+    q, k, v = (_roll_rows(t, start) for t in (query, key, value))
+    return _roll_rows(poslsh_attention(q, k, v, parts, causal=True, scale=scaling, backend=backend), -start)
 
 
 def poslsh_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -313,16 +285,16 @@ def fixed_blocks_attention_forward(module, query, key, value, attention_mask, sc
 def alibi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function for ``attn_implementation="alibi"``: exact ALiBi with
     slopes for the model's number of query heads (dense ``O(n^2)``, like stock ``sdpa``)."""
+    kwargs.pop(STEP_KWARG, None)
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     B, H, nq, d = query.shape
     nk = key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    bias = _alibi_bias(module, H, nq, nk, query.device)
+    bias = _alibi(module, H, nq, nk, query.device)
     with _no_autocast(query.device):
-        out = _dense_attention(query, key, value, _allowed(attention_mask), bias, scaling, causal,
-                               _sliding(kwargs, nk))
+        out = _dense(query, key, value, _allowed(attention_mask), bias, scaling, causal, _sliding(kwargs, nk))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -344,51 +316,6 @@ def register() -> None:
 
 
 # ------------------------------------------------------------------ conversion
-class NoRotaryEmbedding(nn.Module):
-    """Stands in for a model's rotary embedding: ``cos = 1``, ``sin = 0``, so
-    ``apply_rotary_pos_emb`` returns q and k unchanged (RoPE removed)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = int(dim)
-
-    def forward(self, x: Tensor, position_ids: Tensor, layer_type=None):
-        shape = (*position_ids.shape, self.dim)
-        return (torch.ones(shape, dtype=x.dtype, device=x.device),
-                torch.zeros(shape, dtype=x.dtype, device=x.device))
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
-
-
-def _remove_rope(model: nn.Module) -> int:
-    replaced = 0
-    for name, m in list(model.named_modules()):
-        if type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, NoRotaryEmbedding):
-            inv = getattr(m, "inv_freq", None)
-            if inv is None:
-                raise ValueError(f"cannot find the rotary dimension of {name} ({type(m).__name__})")
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], NoRotaryEmbedding(2 * inv.numel()).to(inv.device))
-            replaced += 1
-    return replaced
-
-
-def _configure(config, pc: PositionalConfig) -> None:
-    setattr(config, CONFIG_KEY, asdict(pc))
-    if pc.scheme != "original":
-        # The positional scheme replaces sliding windows (Mistral); sliding layers are unsupported.
-        if getattr(config, "sliding_window", None) is not None:
-            config.sliding_window = None
-        if hasattr(config, "use_sliding_window"):
-            config.use_sliding_window = False
-        types = getattr(config, "layer_types", None)
-        if types and any(t != "full_attention" for t in types):
-            raise ValueError(f"layer types {sorted(set(types))} are not supported; only full_attention")
-        if getattr(config, "attention_dropout", 0.0):
-            config.attention_dropout = 0.0
-
-
 def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **params):
     """Give a Llama/Qwen3/Mistral-family model (in place) or config (a copy) the positional
     scheme ``scheme`` (one of :data:`SCHEMES`; default: ``config.poslsh`` as saved).
@@ -399,35 +326,7 @@ def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **par
     (``num_samples``, ``block_size``, ``seed``, ``eval_seed``, ``backend``).
     """
     register()
-    from transformers import PretrainedConfig
-
-    is_config = isinstance(model_or_config, PretrainedConfig)
-    config = copy.deepcopy(model_or_config) if is_config else model_or_config.config
-    current = positional_config(config)
-    base = asdict(current)
-    if scheme is not None:
-        base["scheme"] = scheme
-    base.update(params)
-    base["rope_removed"] = False
-    pc = PositionalConfig(**base)
-    impl = "sdpa" if pc.scheme == "original" else pc.scheme
-    if is_config:
-        _configure(config, pc)
-        config._attn_implementation = impl
-        return config
-    model = model_or_config
-    if pc.scheme == "original" and current.rope_removed:
-        raise ValueError("this model's RoPE was removed; reload it to get the original scheme back")
-    _configure(config, pc)
-    if pc.scheme != "original":
-        for m in _attention_modules(model):   # modules copied the dropout rate at init
-            if getattr(m, "attention_dropout", 0.0):
-                m.attention_dropout = 0.0
-        _remove_rope(model)
-        pc = PositionalConfig(**{**asdict(pc), "rope_removed": True})
-        setattr(config, CONFIG_KEY, asdict(pc))
-    model.set_attn_implementation(impl)
-    return model
+    return convert(model_or_config, scheme, **params)
 
 
 def model_from_config(config, scheme: Optional[str] = None, **params):
@@ -435,12 +334,10 @@ def model_from_config(config, scheme: Optional[str] = None, **params):
     from transformers import AutoModelForCausalLM
 
     register()
-    pc = positional_config(config)
-    scheme = scheme or pc.scheme
-    impl = "sdpa" if scheme == "original" else scheme
-    model = AutoModelForCausalLM.from_config(apply_positional_scheme(config, scheme, **params),
-                                             attn_implementation=impl)
-    return apply_positional_scheme(model, scheme, **params)
+    scheme = scheme or positional_config(config).scheme
+    cfg = convert(config, scheme, **params)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=positional_config(cfg).implementation)
+    return convert(model, scheme, **params)
 
 
 try:  # register on import when transformers is installed

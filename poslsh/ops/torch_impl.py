@@ -20,7 +20,8 @@ Rows are owned by exactly one tile, so outputs are written once.
 
 Backward is flash-attention 2's with the count-weighted probabilities,
 recomputed tile by tile from the saved ``lse``: memory ``O(n (d + s))`` plus one
-bounded chunk, never an ``n x n`` tensor.
+bounded chunk, never an ``n x n`` tensor. Both directions are ``torch.library``
+custom ops (see the end of this file).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
+from .registry import register_backend
 
 # Score elements (batch x tiles x T x R) per chunk: bounds transient memory
 # (a few such buffers live at once) while keeping the batched matmuls large.
@@ -248,31 +250,94 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     return dq.view_as(q).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
-class PoslshTorchFunction(torch.autograd.Function):
-    """Autograd wrapper: saves ``q, k, v, out, lse``; backward recomputes tile by tile."""
+# ------------------------------------------------------------------ custom ops
+# The backend is a pair of torch.library custom ops, like the Triton kernels: the
+# partitions travel as their two float64 tensors, everything derived from them is
+# built inside, so torch.compile(fullgraph=True) sees one opaque op per direction
+# (the plan has data-dependent shapes) and autograd saves only tensors.
+FWD_NAME = "poslsh::torch_attention_fwd"
+BWD_NAME = "poslsh::torch_attention_bwd"
 
-    @staticmethod
-    def forward(ctx, q, k, v, groups, bounds, shape, scale):
-        need_lse = any(ctx.needs_input_grad[:3])
-        # The kernel picks its own precision (float32/64 accumulation); autocast
-        # would turn its matmuls into bf16 and break the float32 buffers.
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse = forward(q, k, v, groups, bounds, shape, scale, need_lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (groups, bounds, shape, scale)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.meta)
-        return dq, dk, dv, None, None, None, None
+def _shape(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
+    B, Hq, n, d = q.shape
+    return AttnShape(B, Hq, k.shape[1], n, d, v.shape[-1])
+
+
+def _partitions(widths: Tensor, offsets: Tensor) -> Partitions:
+    return Partitions(widths, offsets)
+
+
+def _groups(partitions: Partitions, bounds: RowBounds, n: int) -> List[TileGroup]:
+    return plan_tiles(bounds, n, choose_tiles(partitions, n).to(bounds.start.device))
+
+
+@torch.library.custom_op(FWD_NAME, mutates_args=())
+def torch_attention_fwd(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool,
+                        scale: float, need_lse: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``out [B, Hq, n, dv]`` (q.dtype), ``lse [B, Hq, n]`` (float32, float64 for float64 input;
+    unset unless ``need_lse``) and the row bounds ``start, end`` (int64 ``[H, n, s]``) that
+    the backward reuses."""
+    shape = _shape(q, k, v)
+    parts = _partitions(widths, offsets)
+    bounds = row_bounds(parts, shape.seqlen, causal, q.device)
+    # The kernel picks its own precision (float32/64 accumulation); autocast
+    # would turn its matmuls into bf16 and break the float32 buffers.
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse = forward(q, k, v, _groups(parts, bounds, shape.seqlen), bounds, shape, scale, need_lse)
+    return out.contiguous(), lse.contiguous(), bounds.start, bounds.end
+
+
+@torch_attention_fwd.register_fake
+def _(q, k, v, widths, offsets, causal, scale, need_lse):
+    B, Hq, n, _ = q.shape
+    H, s = widths.shape
+    return (q.new_empty(B, Hq, n, v.shape[-1]), q.new_empty(B, Hq, n, dtype=compute_dtype(q.dtype)),
+            widths.new_empty(H, n, s, dtype=torch.int64), widths.new_empty(H, n, s, dtype=torch.int64))
+
+
+@torch.library.custom_op(BWD_NAME, mutates_args=())
+def torch_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        start: Tensor, end: Tensor, widths: Tensor, offsets: Tensor, causal: bool,
+                        scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` (contiguous, dtypes of q, k, v) by tile-wise recomputation."""
+    shape = _shape(q, k, v)
+    bounds = RowBounds(start, end, causal)
+    with torch.autocast(q.device.type, enabled=False):
+        groups = _groups(_partitions(widths, offsets), bounds, shape.seqlen)
+        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, groups, bounds, shape, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@torch_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, start, end, widths, offsets, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, widths, offsets, causal, scale, _ = inputs
+    out, lse, start, end = output
+    ctx.save_for_backward(q, k, v, out, lse, start, end, widths, offsets)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse, start, end)
+
+
+def _backward(ctx, dout, dlse, dstart, dend):
+    q, k, v, out, lse, start, end, widths, offsets = ctx.saved_tensors
+    dq, dk, dv = torch_attention_bwd(dout, q, k, v, out, lse, start, end, widths, offsets, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
               scale: float) -> Tensor:
     """Entry point used by the dispatcher (``backend="torch"``)."""
-    bounds = row_bounds(partitions, shape.seqlen, causal, q.device)
-    groups = plan_tiles(bounds, shape.seqlen, choose_tiles(partitions, shape.seqlen).to(q.device))
-    return PoslshTorchFunction.apply(q, k, v, groups, bounds, shape, scale)
+    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out, _, _, _ = torch_attention_fwd(q, k, v, partitions.widths, partitions.offsets, bool(causal),
+                                       float(scale), need_lse)
+    return out
+
+
+register_backend("torch", attention, lambda q: True, preferred=lambda q: True, priority=0)

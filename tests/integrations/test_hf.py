@@ -7,6 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
+from poslsh.seeding import stable_seed  # noqa: E402
 
 H, KV, D = 4, 2, 8   # GQA: 2 query heads per key/value head
 
@@ -53,14 +54,13 @@ def _logits_with(model, impl, x):
         model.set_attn_implementation(old)
 
 
-def independent_partitions(model, layer, num_heads):
+def independent_partitions(model, layer, num_heads, step=None):
     """Partitions rebuilt from the documented seeding rule, not from the module's cache."""
     pc = hf.positional_config(model.config)
     if model.training:
-        seed = hf.partition_seed("train", pc.seed, model.model.layers[layer].self_attn.poslsh_step, layer,
-                                 num_heads, pc.num_samples)
+        seed = stable_seed("train", pc.seed, step, layer, num_heads, pc.num_samples)
     else:
-        seed = hf.partition_seed("eval", pc.eval_seed, layer, num_heads, pc.num_samples)
+        seed = stable_seed("eval", pc.eval_seed, layer, num_heads, pc.num_samples)
     return poslsh.sample_partitions(poslsh.alibi_sigmas(num_heads), pc.num_samples, seed=seed)
 
 
@@ -149,9 +149,8 @@ def test_kv_cache_decoding_matches_full_forward(scheme):
 def test_gradients_flow():
     for scheme in ("alibi", "poslsh", "fixed_blocks"):
         model = tiny_model(scheme).train()
-        hf.set_training_step(model, 0)
         x = ids()
-        model(x, labels=x).loss.backward()
+        model(x, labels=x, poslsh_step=0).loss.backward()
         for name, p in model.named_parameters():
             assert p.grad is not None and torch.isfinite(p.grad).all(), (scheme, name)
         attn = model.model.layers[0].self_attn
@@ -164,16 +163,15 @@ def test_training_partitions_follow_seed_and_step():
     x = ids()
 
     def logits(step):
-        hf.set_training_step(model, step)
         with torch.no_grad():
-            return model(x).logits
+            return model(x, poslsh_step=step).logits   # the step travels with the inputs
 
     a, b, a2 = logits(5), logits(6), logits(5)
     torch.testing.assert_close(a, a2, rtol=0, atol=0)          # reproducible from (seed, step)
     assert not torch.allclose(a, b)                            # resampled every step
     attn = model.model.layers[1].self_attn
-    got = hf.layer_partitions(attn, H)
-    want = independent_partitions(model, 1, H)
+    got = hf.layer_partitions(attn, H, step=5)
+    want = independent_partitions(model, 1, H, step=5)
     torch.testing.assert_close(got.widths, want.widths, rtol=0, atol=0)
     model.eval()
     with torch.no_grad():

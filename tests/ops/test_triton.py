@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 import poslsh  # noqa: E402
-from poslsh.partitions import Partitions  # noqa: E402
+from poslsh.partitions import Partitions, block_labels  # noqa: E402
 import poslsh.ops.triton as pt  # noqa: E402
 from poslsh.ops.triton import _launch, _plan  # noqa: E402
 
@@ -115,14 +115,19 @@ def test_plan_matches_partition_blocks(n):
 
 def test_ids_kernel_matches_plan():
     """The Triton kernel that computes the block labels on GPU (run here under the
-    interpreter) gives exactly ``_plan.block_ids``."""
+    interpreter) gives exactly the core geometry, :func:`poslsh.partitions.block_labels`
+    (through ``_plan.block_ids``, and ``Partitions.block_ids`` where labels are hashes)."""
     kern = _launch.kernels(True)._ids_kernel
     for parts in (_odd_partitions(), poslsh.sample_partitions(poslsh.alibi_sigmas(4), 3, seed=5)):
         for n in (1, 45, 200):
             H, S = parts.widths.shape
             ids = torch.full((H, S, n), -7, dtype=torch.int32)
             kern[((n + 63) // 64, H * S)](parts.widths.contiguous(), parts.offsets.contiguous(), ids, n, BLOCK=64)
+            core = block_labels(parts.widths, parts.offsets, torch.arange(n, dtype=torch.float64))
+            assert torch.equal(ids, core.to(torch.int32))
             assert torch.equal(ids, _plan.block_ids(parts.widths, parts.offsets, n))
+            if bool((parts.widths > 1).all()):
+                assert torch.equal(ids.long(), parts.block_ids(n))
 
 
 # ---------------------------------------------------------------- interpreter

@@ -1,6 +1,6 @@
 """Fused Triton kernels for positional-LSH attention (the ``"triton"`` backend).
 
-Importing this package registers the backend with :mod:`poslsh.attention` when
+Importing this package registers the backend with :mod:`poslsh.ops.registry` when
 triton is installed, and does nothing otherwise. The backend runs
 
 * on CUDA tensors (compiled kernels, autotuned), and
@@ -23,7 +23,7 @@ __all__ = ["AVAILABLE"]
 AVAILABLE = triton is not None
 
 if AVAILABLE:
-    from ...attention import register_backend
+    from ..registry import register_backend
     from ._launch import MAX_HEAD_DIM, SUPPORTED_DTYPES
     from ._ops import attention, triton_attention_bwd, triton_attention_fwd
 
@@ -40,4 +40,5 @@ if AVAILABLE:
     def _backend(q, k, v, partitions, shape, causal, scale):
         return attention(q, k, v, partitions, causal=causal, scale=scale)
 
-    register_backend("triton", _backend, is_available)
+    # "auto" picks the kernel for CUDA tensors only: on CPU it runs under the interpreter (tests).
+    register_backend("triton", _backend, is_available, preferred=lambda q: q.is_cuda, priority=10)

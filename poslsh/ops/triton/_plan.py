@@ -2,9 +2,9 @@
 
 Everything here is elementwise float64 arithmetic on the bin widths and
 offsets: no data-dependent shapes, no host synchronisation, no Python loop over
-heads or samples. Each array is computed with the very same float64 operations as
-:meth:`poslsh.Partitions.block_ids` and :meth:`poslsh.Partitions.blocks`, so the
-kernel sees exactly the blocks that the reference and the torch backend see.
+heads or samples. Each array comes from the one definition of the block geometry
+in :mod:`poslsh.partitions` (``block_labels``, ``block_bounds``), so the kernel sees
+exactly the blocks that the reference and the torch backend see.
 
 * ``ids``  int32 ``[H, s, n]``: block label of every position (nondecreasing
   along the sequence; equal labels <=> same block).
@@ -25,58 +25,24 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ...partitions import block_bounds, block_labels
+
 GRANULE = 16
 # Bound on the float64 temporaries of block_ids: H * s * chunk elements.
 _IDS_CHUNK_ELEMENTS = 1 << 23
 
 
-def _hash(u: Tensor, w: Tensor, c: Tensor) -> Tensor:
-    """``floor((u - c) / w)``: the same expression as ``Partitions._hash``."""
-    return torch.floor((u - c) / w)
-
-
 def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
-    """int32 ``[H, s, n]`` block labels, equal to ``Partitions.block_ids(n)``
-    wherever that fits in int32, and equal-iff-same-block everywhere."""
+    """int32 ``[H, s, n]`` block labels: :func:`poslsh.partitions.block_labels` in chunks
+    (equal to ``Partitions.block_ids(n)`` wherever that fits in int32)."""
     H, S = widths.shape
-    w = widths.to(torch.float64)[..., None]
-    c = offsets.to(torch.float64)[..., None]
-    dev = widths.device
-    # Bins of width <= 1 hold at most one integer (blocks() enumerates positions
-    # for them): label every position by itself instead of by its huge hash.
-    single = w <= 1.0
-    first = _hash(torch.zeros((), dtype=torch.float64, device=dev), w, c)
-    out = torch.empty(H, S, n, dtype=torch.int32, device=dev)
+    w, c = widths.to(torch.float64), offsets.to(torch.float64)
+    out = torch.empty(H, S, n, dtype=torch.int32, device=widths.device)
     chunk = max(1, _IDS_CHUNK_ELEMENTS // max(1, H * S))
     for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        u = torch.arange(lo, hi, dtype=torch.float64, device=dev)
-        lab = torch.where(single, u, _hash(u, w, c) - first)
-        out[..., lo:hi] = lab.to(torch.int32)
+        u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
+        out[..., lo:lo + u.numel()] = block_labels(w, c, u).to(torch.int32)
     return out
-
-
-def _bin_start(label: Tensor, w: Tensor, c: Tensor) -> Tensor:
-    """Smallest integer ``u`` with ``floor((u - c) / w) >= label`` (as in ``Partitions.blocks``)."""
-    u = torch.ceil(c + label * w)
-    u = torch.where(_hash(u - 1, w, c) >= label, u - 1, u)
-    u = torch.where(_hash(u, w, c) < label, u + 1, u)
-    return u
-
-
-def block_bounds(widths: Tensor, offsets: Tensor, n: int, pos: Tensor) -> Tuple[Tensor, Tensor]:
-    """``[start, end)`` of the block holding each position of ``pos`` (int64 ``[P]``),
-    for every (head, sample): two int64 ``[H, s, P]`` tensors."""
-    w = widths.to(torch.float64)[..., None]
-    c = offsets.to(torch.float64)[..., None]
-    u = pos.to(torch.float64)
-    single = w <= 1.0
-    lab = _hash(u, w, c)
-    start = _bin_start(lab, w, c).clamp(0, n)
-    end = _bin_start(lab + 1, w, c).clamp(0, n)
-    start = torch.where(single, u.expand_as(start), start)
-    end = torch.where(single, (u + 1).expand_as(end), end)
-    return start.to(torch.int64), end.to(torch.int64)
 
 
 def granule_bounds(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
