@@ -31,7 +31,6 @@ import argparse
 import csv
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -43,6 +42,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import poslsh  # noqa: E402
+from poslsh.io import atomic_savefig, atomic_write  # noqa: E402
 
 METHODS = ["poslsh-triton", "poslsh-torch", "alibi-flex", "alibi-window", "sdpa-dense", "fixed-blocks"]
 DEFAULT_NS = [4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576]
@@ -106,19 +106,6 @@ class Results:
         return None
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp_", suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)          # mkstemp creates 0600
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_csv(res: Results, path: str, args) -> None:
     def w(tmp):
         with open(tmp, "w", newline="") as f:
@@ -128,7 +115,7 @@ def write_csv(res: Results, path: str, args) -> None:
             for r in res.rows:
                 cw.writerow([r.method, r.n, r.mode, r.status, f"{r.ms:.4f}", f"{r.tflops:.2f}", f"{r.flops / 1e9:.3f}",
                              args.batch, args.heads, args.head_dim, args.samples, args.dtype, not args.no_causal, r.note])
-    _atomic_write(path, w)
+    atomic_write(path, w)
 
 
 def write_png(res: Results, path: str, args) -> None:
@@ -155,7 +142,7 @@ def write_png(res: Results, path: str, args) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -204,8 +191,11 @@ class Bench:
         return self.args.batch * self.H * (n * (n + 1) / 2 if self.causal else float(n) * n)
 
     def _elements_torch(self, n) -> float:
-        from poslsh.ops.schedule import build_schedule, unit_work
-        return float(unit_work(build_schedule(self.parts.blocks(n), causal=self.causal))) * self.args.batch
+        """Score elements the torch backend computes: tiles x rows x padded key-range width."""
+        from poslsh.ops import torch_impl
+        bounds = torch_impl.row_bounds(self.parts, n, self.causal, self.dev)
+        groups = torch_impl.plan_tiles(bounds, n, torch_impl.choose_tiles(self.parts, n).to(self.dev))
+        return float(sum(g.head.numel() * g.tile * g.width for g in groups)) * self.args.batch
 
     # flex -------------------------------------------------------------------
     def flex(self):
@@ -294,7 +284,10 @@ class Bench:
         except torch.cuda.OutOfMemoryError as e:
             done = {r.mode for r in rows}
             rows += [Row(method, n, m, "oom", note=str(e).splitlines()[0][:120]) for m in modes if m not in done]
-        except Exception as e:  # a competitor failing must not stop the run
+        except Exception as e:  # a competitor failing must not stop the run, but it must be seen
+            import traceback
+            print(f"\n[error] {method} at n={n}:", file=sys.stderr)
+            traceback.print_exc()
             done = {r.mode for r in rows}
             rows += [Row(method, n, m, "error", note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
                      for m in modes if m not in done]
@@ -335,6 +328,11 @@ def print_table(res: Results, args) -> None:
             if dense is not None and dense.status == "ok":
                 parts.append(f"throughput {t.tflops / dense.tflops:.0%} of dense")
             print(f"   n={n:>8}: " + ", ".join(parts))
+    problems = [r for r in res.rows if r.status in ("error", "oom")]
+    if problems:
+        print("\n== errors (full tracebacks were printed on stderr) ==")
+        for r in problems:
+            print(f"   {r.method} n={r.n} {r.mode}: {r.status}: {r.note}")
 
 
 def check_targets(res: Results, args) -> None:

@@ -49,8 +49,8 @@ from ..attention import poslsh_attention
 from ..partitions import Partitions, sample_partitions
 from ..reference import dense_attention
 from ..seeding import stable_seed
-from .hf_convert import (IMPLEMENTATIONS, SCHEMES, NoRotaryEmbedding, PositionalConfig, attention_modules,
-                         convert, positional_config)
+from .hf_convert import (IMPLEMENTATIONS, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
+                         positional_config)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "positional_config", "layer_partitions", "LayerState",
