@@ -1,0 +1,120 @@
+"""The house rules, checked on the package's own source (see docs/architecture.md):
+every import points down the floors, no import cycles, no oversized modules."""
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "poslsh"
+
+# Lowest floor first. A module may import from its own floor or any floor below it.
+FLOORS: List[Tuple[str, List[str]]] = [
+    ("base", ["poslsh._validation", "poslsh.io", "poslsh.timing", "poslsh.threads", "poslsh.seeding"]),
+    ("core math", ["poslsh.alibi", "poslsh.partitions", "poslsh.theory", "poslsh.reference"]),
+    ("op", ["poslsh.ops", "poslsh.attention", "poslsh"]),      # "poslsh" = the package's public face
+    ("analysis, data, models", ["poslsh.analysis", "poslsh.data", "poslsh.models"]),
+    ("integrations", ["poslsh.integrations"]),
+    ("experiments", ["poslsh.experiments"]),
+    ("cli", ["poslsh.cli", "poslsh.__main__"]),
+]
+KERNELS = {"poslsh/ops/triton/_kernels.py"}    # Triton kernels may be long
+MAX_LINES = 420
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: Dict[str, Path] = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def floor_of(module: str) -> int:
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            hit = module == p if p == "poslsh" else (module == p or module.startswith(p + "."))
+            if hit and len(p) > best:
+                best, level = len(p), i
+    if level is None:
+        raise AssertionError(f"module {module} is on no floor: add it to FLOORS and docs/architecture.md")
+    return level
+
+
+def imports_of(module: str) -> Set[str]:
+    """poslsh modules imported anywhere in ``module`` (function-level imports included)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod when it exists
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:     # `import poslsh.ops.triton._launch` etc.
+                name = name.rpartition(".")[0]
+            if name.startswith("poslsh") and name != module:
+                out.add(name)
+    return out
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_every_import_points_down():
+    upward = [f"{m} (floor {FLOORS[floor_of(m)][0]!r}) imports {t} (floor {FLOORS[floor_of(t)][0]!r})"
+              for m, targets in sorted(GRAPH.items()) for t in sorted(targets) if floor_of(t) > floor_of(m)]
+    print("\n".join(upward) or "no upward imports")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    state: Dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for t in sorted(GRAPH[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+    print("\n".join(cycles) or "no cycles")
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_violations():
+    """The two rules above can fail: an upward import and a cycle are detected."""
+    assert floor_of("poslsh.experiments.lm.loop") > floor_of("poslsh.partitions")
+    assert floor_of("poslsh.ops.triton._launch") == floor_of("poslsh.attention")
+    assert "poslsh.ops.registry" in GRAPH["poslsh.ops.triton"]       # from ..registry import ...
+    assert "poslsh.partitions" in GRAPH["poslsh.ops.triton._plan"]   # from ...partitions import ...
+    with pytest.raises(AssertionError, match="on no floor"):
+        floor_of("poslsh_other")
+
+
+def test_modules_stay_small():
+    big = []
+    for m, path in sorted(MODULES.items()):
+        rel = str(path.relative_to(ROOT.parent))
+        lines = len(path.read_text().splitlines())
+        if rel not in KERNELS and lines > MAX_LINES:
+            big.append(f"{rel}: {lines} lines")
+    print("\n".join(big) or f"every module <= {MAX_LINES} lines")
+    assert not big, f"modules over {MAX_LINES} lines (split them):\n" + "\n".join(big)
