@@ -194,7 +194,7 @@ class Bench:
         """Score elements the torch backend computes: tiles x rows x padded key-range width."""
         from poslsh.ops import torch_impl
         bounds = torch_impl.row_bounds(self.parts, n, self.causal, self.dev)
-        groups = torch_impl.plan_tiles(bounds, n, torch_impl.choose_tiles(self.parts, n).to(self.dev))
+        groups = torch_impl.plan_tiles(bounds, n, torch_impl.choose_tiles(self.parts.widths, n).to(self.dev))
         return float(sum(g.head.numel() * g.tile * g.width for g in groups)) * self.args.batch
 
     # flex -------------------------------------------------------------------

@@ -18,6 +18,7 @@ class AttnShape(NamedTuple):
     seqlen: int
     head_dim: int
     v_dim: int
+    kv_len: int = -1     # keys per head (= seqlen for self-attention)
 
     @property
     def group(self) -> int:
@@ -25,9 +26,10 @@ class AttnShape(NamedTuple):
         return self.q_heads // self.kv_heads
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False) -> AttnShape:
-    """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]``; with
-    ``kv_cache`` the keys may be longer than the queries (``seqlen`` is the queries')."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False, any_lengths: bool = False) -> AttnShape:
+    """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, nk, d]``, ``v [B, Hkv, nk, dv]``: ``nk = n``
+    (self-attention), ``nk >= n`` with ``kv_cache``, any ``nk >= 1`` with ``any_lengths``
+    (queries and keys at given positions). ``seqlen`` is the queries' length."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -45,15 +47,16 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False) -> Att
         raise ValueError(f"k and v must agree in [batch, heads, seqlen], got {tuple(k.shape)} and {tuple(v.shape)}")
     if Bk != B:
         raise ValueError(f"batch size of q ({B}) and k/v ({Bk}) differ")
-    if nk != n and not (kv_cache and nk > n):
-        raise ValueError(f"q has seqlen {n} but k/v have {nk}: self-attention needs equal lengths")
+    if nk != n and not (kv_cache and nk > n) and not (any_lengths and nk >= 1):
+        raise ValueError(f"q has seqlen {n} but k/v have {nk}: self-attention needs equal lengths "
+                         "(pass q_start/k_start to attend to keys at other positions)")
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and k ({dk}) differ")
     if n < 1:
         raise ValueError("seqlen must be >= 1")
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for grouped-query attention")
-    return AttnShape(B, Hq, Hkv, n, d, v.shape[-1])
+    return AttnShape(B, Hq, Hkv, n, d, v.shape[-1], nk)
 
 
 def check_scale(scale: Optional[float], head_dim: int) -> float:

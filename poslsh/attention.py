@@ -5,8 +5,9 @@ from typing import List, Optional
 
 from torch import Tensor
 
-from ._validation import check_heads, check_qkv, check_scale
+from ._validation import AttnShape, check_heads, check_qkv, check_scale
 from .ops import load_backends, registry
+from .ops.torch_impl import Span
 from .partitions import Partitions
 
 __all__ = ["poslsh_attention", "available_backends"]
@@ -19,7 +20,8 @@ def available_backends(q: Optional[Tensor] = None) -> List[str]:
 
 
 def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *, causal: bool = False,
-                     scale: Optional[float] = None, backend: str = "auto") -> Tensor:
+                     scale: Optional[float] = None, backend: str = "auto", q_start: int = 0, k_start: int = 0,
+                     seq_len: Optional[int] = None) -> Tensor:
     """Positional-LSH approximation of ALiBi attention (paper section 4).
 
     Computes, for every query ``i``,
@@ -30,24 +32,53 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
 
     Args:
         q: ``[B, Hq, n, d]`` queries.
-        k: ``[B, Hkv, n, d]`` keys; ``Hq`` must be a multiple of ``Hkv`` (GQA:
-            query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
-        v: ``[B, Hkv, n, dv]`` values.
+        k: ``[B, Hkv, nk, d]`` keys (``nk = n`` for self-attention); ``Hq`` must be a
+            multiple of ``Hkv`` (GQA: query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
+        v: ``[B, Hkv, nk, dv]`` values.
         partitions: :class:`Partitions` with ``Hq`` heads (any device).
         causal: attend only to keys at positions ``<= i``.
         scale: logit scale, default ``1 / sqrt(d)``.
         backend: ``"auto"`` (fastest available), ``"torch"`` (portable, near
             linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory), ``"triton"``
             (fused GPU kernel, CUDA tensors) or ``"reference"`` (dense ``n x n``).
+        q_start, k_start: the positions of the first query and the first key in the
+            sequence (default 0: self-attention). With other values the queries
+            ``[q_start, q_start + n)`` attend to the keys ``[k_start, k_start + nk)``, e.g.
+            new tokens against a KV cache, or a shard against its halo; the keys must
+            hold every key those queries can see (checked: a ValueError names the gap).
+        seq_len: the sequence length (blocks end there); needed for non-causal
+            attention at other positions, where keys to the right count too.
 
     Returns:
         ``[B, Hq, n, dv]`` in ``q.dtype``. Differentiable in ``q``, ``k``, ``v``.
     """
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a poslsh.Partitions, got {type(partitions).__name__}")
-    shape = check_qkv(q, k, v)
+    spans = bool(q_start or k_start or q.shape[-2:-1] != k.shape[-2:-1])
+    shape = check_qkv(q, k, v, any_lengths=spans)
     check_heads(partitions, shape.q_heads)
     scale = check_scale(scale, shape.head_dim)
     load_backends()
-    chosen = registry.resolve(backend, q)
-    return chosen.fn(q, k, v, partitions.to(q.device), shape, bool(causal), scale)
+    chosen = registry.resolve(backend, q, spans=spans)
+    parts = partitions.to(q.device)
+    if not spans:
+        return chosen.fn(q, k, v, parts, shape, bool(causal), scale)
+    return chosen.fn(q, k, v, parts, shape, bool(causal), scale,
+                     span=make_span(shape, causal, q_start, k_start, seq_len))
+
+
+def make_span(shape: AttnShape, causal: bool, q_start: int, k_start: int, seq_len: Optional[int]) -> Span:
+    """Validate the positions of a call with queries and keys at given positions."""
+    for name, value in (("q_start", q_start), ("k_start", k_start)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    q_end, k_end = q_start + shape.seqlen, k_start + shape.kv_len
+    if seq_len is None:
+        if not causal:
+            raise ValueError("seq_len: non-causal attention at given positions needs the sequence length "
+                             "(keys to the right of the queries count too)")
+        seq_len = max(q_end, k_end)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < max(q_end, k_end):
+        raise ValueError(f"seq_len must be an int >= the last query and key position + 1 "
+                         f"({max(q_end, k_end)}), got {seq_len!r}")
+    return Span(q_start, k_start, shape.seqlen, shape.kv_len, seq_len)

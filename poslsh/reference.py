@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._validation import check_heads, check_qkv, check_scale, compute_dtype
 from .alibi import _as_1d, alibi_bias
-from .partitions import Partitions
+from .partitions import Partitions, block_labels
 
 __all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention", "dense_attention_with_bias"]
 
@@ -95,14 +95,27 @@ def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = F
 
 
 def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
-                               causal: bool = False, scale: Optional[float] = None) -> Tensor:
+                               causal: bool = False, scale: Optional[float] = None, q_start: int = 0,
+                               k_start: int = 0) -> Tensor:
     """Approximate ALiBi attention with the mean mask ``M~`` (paper section 4), densely.
 
     ``T~_i = sum_k A_ik M~_ik v_k / sum_k A_ik M~_ik``, i.e. one softmax with the
     additive bias ``log(count_ik)`` where ``count_ik`` is the number of samples in
-    which ``i`` and ``k`` share a block (``-inf`` where it is 0).
+    which ``i`` and ``k`` share a block (``-inf`` where it is 0). Query row ``i`` is the
+    token at position ``q_start + i`` and key row ``j`` the token at ``k_start + j``
+    (self-attention by default; other positions need no equal lengths).
     """
-    shape = check_qkv(q, k, v)
+    if q_start == 0 and k_start == 0 and q.shape[-2] == k.shape[-2]:
+        shape = check_qkv(q, k, v)
+        check_heads(partitions, shape.q_heads)
+        count = partitions.to(q.device).dense_count(shape.seqlen).to(torch.float64)
+        return dense_attention_with_bias(q, k, v, torch.log(count), causal=causal, scale=scale)
+    shape = check_qkv(q, k, v, any_lengths=True)
     check_heads(partitions, shape.q_heads)
-    count = partitions.to(q.device).dense_count(shape.seqlen).to(torch.float64)
-    return dense_attention_with_bias(q, k, v, torch.log(count), causal=causal, scale=scale)
+    parts = partitions.to(q.device)
+    qpos = torch.arange(q_start, q_start + shape.seqlen, dtype=torch.float64, device=q.device)
+    kpos = torch.arange(k_start, k_start + shape.kv_len, dtype=torch.float64, device=q.device)
+    lab_q, lab_k = (block_labels(parts.widths, parts.offsets, p) for p in (qpos, kpos))   # [H, s, P]
+    count = (lab_q[..., :, None] == lab_k[..., None, :]).sum(1).to(torch.float64)          # [H, nq, nk]
+    allowed = (kpos[None, :] <= qpos[:, None]) if causal else None
+    return dense_attention(q, k, v, torch.log(count), allowed=allowed, scale=scale)

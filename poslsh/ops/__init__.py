@@ -11,9 +11,10 @@ __all__ = ["Backend", "register_backend", "registered", "resolve", "load_backend
 _loaded = False
 
 
-def _reference(q, k, v, partitions, shape, causal, scale):
+def _reference(q, k, v, partitions, shape, causal, scale, span=None):
     from ..reference import poslsh_attention_reference
-    return poslsh_attention_reference(q, k, v, partitions, causal=causal, scale=scale)
+    starts = {} if span is None else {"q_start": span.q_start, "k_start": span.k_start}
+    return poslsh_attention_reference(q, k, v, partitions, causal=causal, scale=scale, **starts)
 
 
 def load_backends() -> None:
@@ -22,7 +23,7 @@ def load_backends() -> None:
     if _loaded:
         return
     from . import torch_impl  # noqa: F401  (registers "torch")
-    register_backend("reference", _reference, lambda q: True)
+    register_backend("reference", _reference, lambda q: True, spans=True)
     try:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:

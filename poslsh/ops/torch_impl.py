@@ -18,6 +18,12 @@ plus one pass, instead of ``s`` comparisons per score; rows whose blocks agree i
 every sample share one count row, and the causal mask is applied separately.
 Rows are owned by exactly one tile, so outputs are written once.
 
+Queries and keys need not be the same positions (:class:`Span`): query row ``i``
+sits at position ``q_start + i`` and key row ``j`` at ``k_start + j`` of a
+sequence of ``seq_len`` tokens, which is what decoding against a KV cache and
+context parallelism (a shard's queries against its halo and shard of keys) need.
+The keys must cover every key the queries can see; the op checks it.
+
 Backward is flash-attention 2's with the count-weighted probabilities,
 recomputed tile by tile from the saved ``lse``: memory ``O(n (d + s))`` plus one
 bounded chunk, never an ``n x n`` tensor. Both directions are ``torch.library``
@@ -26,7 +32,7 @@ custom ops (see the end of this file).
 from __future__ import annotations
 
 import math
-from typing import Iterator, List, NamedTuple, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +47,39 @@ from .registry import register_backend
 CHUNK_ELEMENTS = 1 << 21
 
 
+class Span(NamedTuple):
+    """Absolute positions: query row ``i`` is token ``q_start + i``, key row ``j`` is token
+    ``k_start + j``, in a sequence of ``seq_len`` tokens (blocks end there)."""
+
+    q_start: int
+    k_start: int
+    n_q: int
+    n_k: int
+    seq_len: int
+
+    @staticmethod
+    def self_attention(n: int) -> "Span":
+        return Span(0, 0, n, n, n)
+
+    @property
+    def is_self(self) -> bool:
+        return self.q_start == self.k_start == 0 and self.n_q == self.n_k == self.seq_len
+
+    @property
+    def delta(self) -> int:
+        """Query row ``i`` sits at key row ``i + delta``."""
+        return self.q_start - self.k_start
+
+
 class RowBounds(NamedTuple):
-    """Per (head, position, sample): the block of the position, as ``[start, end)``,
-    int64 ``[H, n, s]`` (a row's bounds in all samples are contiguous); ``causal``
-    says keys after the query are masked as well."""
+    """Per (head, query row, sample): the block of the query, as key rows ``[start, end)``
+    (int64 ``[H, n_q, s]``; a row's bounds in all samples are contiguous); ``causal``
+    says keys after the query are masked as well; query row ``i`` is key row ``i + delta``."""
 
     start: Tensor
     end: Tensor
     causal: bool
+    delta: int = 0
 
 
 class TileGroup(NamedTuple):
@@ -58,15 +89,32 @@ class TileGroup(NamedTuple):
     width: int
     head: Tensor     # query head
     q0: Tensor       # first query row
-    k0: Tensor       # first key of the range
+    k0: Tensor       # first key row of the range
 
 
-def row_bounds(partitions: Partitions, n: int, causal: bool, device) -> RowBounds:
-    blk = partitions.blocks(n)
+def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
+    """The query rows' blocks as key rows; ``span`` is a :class:`Span` or, for
+    self-attention, the sequence length. Raises if the keys miss a key a query can see."""
+    if not isinstance(span, Span):
+        span = Span.self_attention(int(span))
     H, s = partitions.num_heads, partitions.num_samples
-    start = torch.repeat_interleave(blk.start, blk.length).view(H, s, n).transpose(1, 2)
-    end = torch.repeat_interleave(blk.start + blk.length, blk.length).view(H, s, n).transpose(1, 2)
-    return RowBounds(start.to(device).contiguous(), end.to(device).contiguous(), causal)
+    if span.is_self:   # all positions: from the blocks, O(H s n) integer work
+        n = span.seq_len
+        blk = partitions.blocks(n)
+        start = torch.repeat_interleave(blk.start, blk.length).view(H, s, n).transpose(1, 2)
+        end = torch.repeat_interleave(blk.start + blk.length, blk.length).view(H, s, n).transpose(1, 2)
+        return RowBounds(start.to(device).contiguous(), end.to(device).contiguous(), causal, 0)
+    pos = torch.arange(span.q_start, span.q_start + span.n_q, device=partitions.device)
+    start, end = partitions.block_bounds(span.seq_len, pos)                 # [H, s, n_q], absolute
+    need_lo = int(start.min())
+    need_hi = int(torch.minimum(end, pos + 1).max() if causal else end.max())
+    if need_lo < span.k_start or need_hi > span.k_start + span.n_k:
+        raise ValueError(
+            f"keys cover positions [{span.k_start}, {span.k_start + span.n_k}) but the queries at "
+            f"[{span.q_start}, {span.q_start + span.n_q}) can see keys in [{need_lo}, {need_hi}): pass keys from "
+            f"k_start <= {need_lo} to at least {need_hi} (a cache must not drop keys a later query needs)")
+    start, end = (x.transpose(1, 2).to(device).contiguous() - span.k_start for x in (start, end))
+    return RowBounds(start, end, causal, span.delta)
 
 
 def _pad_width(r: Tensor) -> Tensor:
@@ -76,8 +124,8 @@ def _pad_width(r: Tensor) -> Tensor:
 
 
 def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
-    """Cut head ``h`` into query tiles of ``tiles[h]`` rows; group all tiles by
-    (tile, padded key-range width)."""
+    """Cut the ``n`` query rows of head ``h`` into tiles of ``tiles[h]`` rows; group all
+    tiles by (tile, padded key-range width)."""
     dev = bounds.start.device
     groups = []
     for T in torch.unique(tiles).tolist():
@@ -87,7 +135,7 @@ def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
         lo = bounds.start[heads][:, q0].amin(-1)              # [h, tiles]: starts grow along rows
         hi = bounds.end[heads][:, last].amax(-1)              # ends grow along rows
         if bounds.causal:
-            hi = torch.minimum(hi, last + 1)
+            hi = torch.minimum(hi, last + 1 + bounds.delta)
         width = _pad_width(hi - lo).reshape(-1)
         head = heads[:, None].expand_as(lo).reshape(-1)
         q0, lo = q0[None].expand_as(lo).reshape(-1), lo.reshape(-1)
@@ -97,19 +145,19 @@ def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
     return groups
 
 
-def choose_tiles(partitions: Partitions, n: int) -> Tensor:
-    """Query-tile height per head from its widest block: 32 rows (< 128), 64 (< 1024),
-    else 128. A taller tile shares one gathered key range among more queries, but a
-    causal tile wastes about half its height in keys per row; measured at sigma = 4..256."""
-    widest = partitions.widths.amax(1).cpu()
+def choose_tiles(widths: Tensor, n: int) -> Tensor:
+    """Query-tile height per head from its widest block (``widths [H, s]``): 32 rows (< 128),
+    64 (< 1024), else 128. A taller tile shares one gathered key range among more queries,
+    but a causal tile wastes about half its height in keys per row; measured at sigma = 4..256."""
+    widest = widths.amax(1).cpu()
     t = torch.where(widest < 128, 32, torch.where(widest < 1024, 64, 128))
     return torch.clamp(t, max=1 << max(0, math.ceil(math.log2(n))))
 
 
 class Chunk(NamedTuple):
-    rows: Tensor       # [U*T] flat query rows into [Hq*n] (clamped in range)
-    out_rows: Tensor   # [U*T] same, rows past n go to the sink row Hq*n
-    kv_rows: Tensor    # [U*R] flat key rows into [Hkv*n] (clamped in range)
+    rows: Tensor       # [U*T] flat query rows into [Hq*n_q] (clamped in range)
+    out_rows: Tensor   # [U*T] same, rows past n_q go to the sink row Hq*n_q
+    kv_rows: Tensor    # [U*R] flat key rows into [Hkv*n_k] (clamped in range)
     log_count: Tensor  # [U, T, R] log(#samples in which query and key share a block), -inf if none
     units: int
     tile: int
@@ -121,9 +169,9 @@ def _units_per_chunk(g: TileGroup, batch: int) -> int:
 
 
 def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct) -> Iterator[Chunk]:
-    n, Hq, group = shape.seqlen, shape.q_heads, shape.group
+    n, nk, Hq, group = shape.seqlen, shape.kv_len, shape.q_heads, shape.group
     H, _, s = bounds.start.shape
-    causal = bounds.causal
+    causal, delta = bounds.causal, bounds.delta
     # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
     start_rows = bounds.start.view(H * n, s)
     end_rows = bounds.end.view(H * n, s)
@@ -142,12 +190,12 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
         for lo in range(0, g.head.numel(), per_chunk):
             head, q0, k0 = g.head[lo:lo + per_chunk], g.q0[lo:lo + per_chunk], g.k0[lo:lo + per_chunk]
             U = head.numel()
-            pos = q0[:, None] + ar_t                                   # [U, T]
+            pos = q0[:, None] + ar_t                                   # [U, T] query rows
             rows = head[:, None] * n + pos.clamp(max=n - 1)
             out_rows = torch.where(pos < n, rows, torch.full_like(rows, Hq * n)).reshape(-1)
             rows = rows.reshape(-1)
-            keys = (k0[:, None] + ar_r).clamp(max=n - 1)
-            kv_rows = ((head // group)[:, None] * n + keys).reshape(-1)
+            keys = (k0[:, None] + ar_r).clamp(max=nk - 1)
+            kv_rows = ((head // group)[:, None] * nk + keys).reshape(-1)
             # Rows of a tile whose blocks are the same in every sample have the same
             # counts: build them once per run of such rows ("segment"), then copy rows.
             start_r = start_rows.index_select(0, rows)                # [U*T, s]
@@ -168,8 +216,8 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
             # log via a table: integer counts 0..s, and torch.log is slow on zeros.
             log_count = F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
             if causal:  # keys after the query: only columns from the earliest tile start on
-                c0 = int((q0 - k0).min())
-                later = (k0[:, None] + ar_r[c0:])[:, None, :] > pos[:, :, None]
+                c0 = max(0, int((q0 + delta - k0).min()))
+                later = (k0[:, None] + ar_r[c0:])[:, None, :] > (pos + delta)[:, :, None]
                 log_count[:, :, c0:].masked_fill_(later, float("-inf"))
             yield Chunk(rows, out_rows, kv_rows, log_count, U, T, R)
 
@@ -218,21 +266,25 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
              groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, scale: float):
-    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``."""
-    B, Hq, Hkv, n = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen
+    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``.
+
+    ``delta_i = sum_k P_ik dP_ik`` (flash-attention's ``rowsum(dO * O)``) is computed from
+    the recomputed probabilities in the compute dtype: a row's whole key range lies in
+    one tile, and the output rounded to 16 bits would cost low-precision gradients
+    most of their accuracy."""
+    B, Hq, Hkv, n, nk = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.kv_len
     ct = compute_dtype(q.dtype)
     qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
     zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
     # Rows past n read the sink row: dO = 0 and lse = +inf, so their probabilities
     # are exactly 0 and they add nothing to dk, dv (no inf * 0).
     dof = torch.cat([_flat(dout, ct), zero_row], 1)
-    delta = torch.cat([(dof[:, :-1] * _flat(out, ct)).sum(-1), zero_row[..., 0]], 1)
     lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
     dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
-    dk = torch.zeros(B, Hkv * n, shape.head_dim, dtype=ct, device=q.device)
-    dv = torch.zeros(B, Hkv * n, shape.v_dim, dtype=ct, device=q.device)
+    dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
+    dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
     for c in iter_chunks(groups, bounds, shape, ct):
         U, T, R = c.units, c.tile, c.width
         Qg = _gather(qf, c.rows, U, T)
@@ -240,10 +292,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         Vg = _gather(vf, c.kv_rows, U, R)
         dOg = _gather(dof, c.out_rows, U, T)
         lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
-        delta_g = delta.index_select(1, c.out_rows).view(B, U, T, 1)
         p = torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
         dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
-        ds = torch.matmul(dOg, Vg.transpose(-1, -2)).sub_(delta_g).mul_(p)
+        dp = torch.matmul(dOg, Vg.transpose(-1, -2))
+        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)
         dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
         dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
     dq = dq[:, :-1]
@@ -261,35 +313,36 @@ BWD_NAME = "poslsh::torch_attention_bwd"
 
 def _shape(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
     B, Hq, n, d = q.shape
-    return AttnShape(B, Hq, k.shape[1], n, d, v.shape[-1])
+    return AttnShape(B, Hq, k.shape[1], n, d, v.shape[-1], k.shape[2])
 
 
-def _partitions(widths: Tensor, offsets: Tensor) -> Partitions:
-    return Partitions(widths, offsets)
+def _span(q: Tensor, k: Tensor, positions: List[int]) -> Span:
+    q_start, k_start, seq_len = positions
+    return Span(q_start, k_start, q.shape[2], k.shape[2], seq_len)
 
 
-def _groups(partitions: Partitions, bounds: RowBounds, n: int) -> List[TileGroup]:
-    return plan_tiles(bounds, n, choose_tiles(partitions, n).to(bounds.start.device))
+def _groups(widths: Tensor, bounds: RowBounds, n: int) -> List[TileGroup]:
+    return plan_tiles(bounds, n, choose_tiles(widths, n).to(bounds.start.device))
 
 
 @torch.library.custom_op(FWD_NAME, mutates_args=())
 def torch_attention_fwd(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool,
-                        scale: float, need_lse: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                        scale: float, need_lse: bool, positions: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``out [B, Hq, n, dv]`` (q.dtype), ``lse [B, Hq, n]`` (float32, float64 for float64 input;
-    unset unless ``need_lse``) and the row bounds ``start, end`` (int64 ``[H, n, s]``) that
-    the backward reuses."""
+    unset unless ``need_lse``) and the query rows' block bounds ``start, end`` (int64
+    ``[H, n, s]``, key rows) that the backward reuses. ``positions`` is
+    ``[q_start, k_start, seq_len]`` (:class:`Span`)."""
     shape = _shape(q, k, v)
-    parts = _partitions(widths, offsets)
-    bounds = row_bounds(parts, shape.seqlen, causal, q.device)
+    bounds = row_bounds(Partitions(widths, offsets), _span(q, k, positions), causal, q.device)
     # The kernel picks its own precision (float32/64 accumulation); autocast
     # would turn its matmuls into bf16 and break the float32 buffers.
     with torch.autocast(q.device.type, enabled=False):
-        out, lse = forward(q, k, v, _groups(parts, bounds, shape.seqlen), bounds, shape, scale, need_lse)
+        out, lse = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, scale, need_lse)
     return out.contiguous(), lse.contiguous(), bounds.start, bounds.end
 
 
 @torch_attention_fwd.register_fake
-def _(q, k, v, widths, offsets, causal, scale, need_lse):
+def _(q, k, v, widths, offsets, causal, scale, need_lse, positions):
     B, Hq, n, _ = q.shape
     H, s = widths.shape
     return (q.new_empty(B, Hq, n, v.shape[-1]), q.new_empty(B, Hq, n, dtype=compute_dtype(q.dtype)),
@@ -297,47 +350,49 @@ def _(q, k, v, widths, offsets, causal, scale, need_lse):
 
 
 @torch.library.custom_op(BWD_NAME, mutates_args=())
-def torch_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        start: Tensor, end: Tensor, widths: Tensor, offsets: Tensor, causal: bool,
-                        scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+def torch_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, start: Tensor, end: Tensor,
+                        widths: Tensor, causal: bool, scale: float,
+                        positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` (contiguous, dtypes of q, k, v) by tile-wise recomputation."""
     shape = _shape(q, k, v)
-    bounds = RowBounds(start, end, causal)
+    bounds = RowBounds(start, end, causal, _span(q, k, positions).delta)
     with torch.autocast(q.device.type, enabled=False):
-        groups = _groups(_partitions(widths, offsets), bounds, shape.seqlen)
-        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, groups, bounds, shape, scale)
+        groups = _groups(widths, bounds, shape.seqlen)
+        dq, dk, dv = backward(dout.contiguous(), q, k, v, lse, groups, bounds, shape, scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @torch_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, start, end, widths, offsets, causal, scale):
+def _(dout, q, k, v, lse, start, end, widths, causal, scale, positions):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, widths, offsets, causal, scale, _ = inputs
+    q, k, v, widths, offsets, causal, scale, _, positions = inputs
     out, lse, start, end = output
-    ctx.save_for_backward(q, k, v, out, lse, start, end, widths, offsets)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, lse, start, end, widths)
+    ctx.causal, ctx.scale, ctx.positions = causal, scale, positions
     ctx.mark_non_differentiable(lse, start, end)
 
 
 def _backward(ctx, dout, dlse, dstart, dend):
-    q, k, v, out, lse, start, end, widths, offsets = ctx.saved_tensors
-    dq, dk, dv = torch_attention_bwd(dout, q, k, v, out, lse, start, end, widths, offsets, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, lse, start, end, widths = ctx.saved_tensors
+    dq, dk, dv = torch_attention_bwd(dout, q, k, v, lse, start, end, widths, ctx.causal, ctx.scale, ctx.positions)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 torch_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
-              scale: float) -> Tensor:
-    """Entry point used by the dispatcher (``backend="torch"``)."""
+              scale: float, span: Optional[Span] = None) -> Tensor:
+    """Entry point used by the dispatcher (``backend="torch"``); ``span`` places the queries
+    and keys in the sequence (default: self-attention)."""
+    span = span or Span.self_attention(shape.seqlen)
     need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _, _, _ = torch_attention_fwd(q, k, v, partitions.widths, partitions.offsets, bool(causal),
-                                       float(scale), need_lse)
+                                       float(scale), need_lse, [span.q_start, span.k_start, span.seq_len])
     return out
 
 
-register_backend("torch", attention, lambda q: True, preferred=lambda q: True, priority=0)
+register_backend("torch", attention, lambda q: True, preferred=lambda q: True, priority=0, spans=True)

@@ -189,6 +189,7 @@ def test_torch_custom_ops_pass_opcheck():
 
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)
     q, k, v = make_qkv(1, 2, 1, 33, 8, requires_grad=True)
+    k, v = (torch.cat([x, x[:, :, :5]], 2).detach().requires_grad_() for x in (k, v))   # 38 keys at [0, 38)
     torch.library.opcheck(torch_impl.torch_attention_fwd,
-                          (q, k, v, parts.widths, parts.offsets, True, 0.3, True),
+                          (q, k, v, parts.widths, parts.offsets, True, 0.3, True, [5, 0, 40]),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
