@@ -42,7 +42,7 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
             linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory), ``"triton"``
             (fused GPU kernel, CUDA tensors) or ``"reference"`` (dense ``n x n``).
         q_start, k_start: the positions of the first query and the first key in the
-            sequence (default 0: self-attention). With other values the queries
+            sequence (default 0 and no ``seq_len``: self-attention). Otherwise the queries
             ``[q_start, q_start + n)`` attend to the keys ``[k_start, k_start + nk)``, e.g.
             new tokens against a KV cache, or a shard against its halo; the keys must
             hold every key those queries can see (checked: a ValueError names the gap).
@@ -54,7 +54,7 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
     """
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a poslsh.Partitions, got {type(partitions).__name__}")
-    spans = bool(q_start or k_start or q.shape[-2:-1] != k.shape[-2:-1])
+    spans = bool(q_start or k_start or seq_len is not None)
     shape = check_qkv(q, k, v, any_lengths=spans)
     check_heads(partitions, shape.q_heads)
     scale = check_scale(scale, shape.head_dim)

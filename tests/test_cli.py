@@ -1,11 +1,11 @@
 import json
 
-from poslsh.cli import build_parser, main
+from poslsh.cli import commands, main, overview
 
 
-def test_parser_lists_core_commands():
-    text = build_parser().format_help()
-    for cmd in ("demo", "theory"):
+def test_overview_lists_core_commands():
+    text = overview(commands())
+    for cmd in ("demo", "theory", "convergence", "audit"):
         assert cmd in text
 
 
@@ -14,6 +14,14 @@ def test_theory_command(capsys):
     out = capsys.readouterr().out
     assert "eq.(4) b_max" in out and "||L*-M~||" in out
     assert len([l for l in out.splitlines() if l.strip().startswith(("4.00", "16.00", "64.00", "256.00"))]) == 8
+
+
+def test_theory_writes_csv_and_rejects_bad_values(tmp_path, capsys):
+    assert main(["theory", "--sigma", "2", "8", "--s", "10", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "bounds.csv").read_text().splitlines()[0].startswith("sigma,s,psi,")
+    assert len((tmp_path / "bounds.csv").read_text().splitlines()) == 3
+    assert main(["theory", "--delta", "1.5"]) == 2
+    assert "--delta" in capsys.readouterr().err
 
 
 def test_demo_quick_writes_table_and_figure(tmp_path, capsys):

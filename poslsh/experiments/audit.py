@@ -27,54 +27,77 @@ Outputs: ``results/audit/audit.json``, ``audit.csv`` and ``audit.md`` (the table
 """
 from __future__ import annotations
 
+import csv
+import dataclasses
 import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .. import theory
 from ..alibi import alibi_sigmas
+from ..analysis.qkv import attention_geometry, capture_qkv
+from ..analysis.records import FIT_MIN_S, default_heads, fit_slope, input_records, mask_records
+from ..io import atomic_write_text, csv_text, markdown_table
 from ..partitions import sample_partitions
-from .convergence import (DEFAULT_LAYERS, FIT_MIN_S, _csv_text, _ints, add_model_args, atomic_write,
-                          default_heads, draw_seed, fit_slope, input_records, mask_records)
+from ..seeding import stable_seed
+from ..threads import intra_op_threads
+from .command import Command, ConfigError
+from .model_inputs import InputsNotAvailable, ModelInputs, input_segments, load_model, query_heads
 
-__all__ = ["AuditConfig", "allowed_violations", "c3_constant", "matrix_checks", "output_checks", "run_audit",
-           "format_table", "register"]
+__all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
+           "output_trials", "output_checks", "run", "write", "main", "format_table", "COMMANDS"]
 
 CONFIDENCE_LEVEL = 0.999       # binomial test level for "violation rate <= delta"
+TABLE_FIELDS = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
 
 
 @dataclass
-class AuditConfig:
-    delta: float = 0.05
-    seed: int = 0
+class AuditConfig(ModelInputs):
+    delta: float = 0.05                                 # confidence: every check is at level 1 - delta
     # matrix checks (no model needed)
-    num_heads: int = 9                               # ALiBi slopes for this head count (SmolLM2: 9)
-    heads: Optional[Tuple[int, ...]] = None          # None: default_heads(num_heads)
-    n_matrix: int = 1024
-    trials: int = 60
-    samples: Tuple[int, ...] = (1, 10, 100, 1000, 10000)
-    slope_tol: float = 0.1
-    fit_min_s: int = FIT_MIN_S
+    num_heads: int = 9                                  # ALiBi slopes for this head count (SmolLM2: 9)
+    n_matrix: int = 1024                                # n for the matrix checks
+    trials: int = 60                                    # independent draws for the matrix checks
+    samples: Tuple[int, ...] = (1, 10, 100, 1000, 10000)  # s for the matrix checks
+    slope_tol: float = 0.1                              # accepted |slope + 1/2| for the spectral decay
+    fit_min_s: int = FIT_MIN_S                          # the slope is fitted on s >= this
     # Theorem 2.2 on real Q/K/V
-    n_output: int = 2048
-    inputs: int = 8
-    draws: int = 4
-    output_samples: Tuple[int, ...] = (100, 1000, 10000)
-    layers: Tuple[int, ...] = DEFAULT_LAYERS
-    rope: str = "pre"
-    model: Optional[str] = None
-    inputs_from: str = "corpus"
-    corpora: Tuple[str, ...] = ("linux-doc", "python-doc")
-    skip_output: bool = False
-    out: str = "results/audit"
-    quick: bool = False
+    n_output: int = 2048                                # n for Theorem 2.2 on real Q/K/V
+    inputs: int = 8                                     # real inputs for Theorem 2.2
+    draws: int = 4                                      # independent draws per input
+    output_samples: Tuple[int, ...] = (100, 1000, 10000)  # s for Theorem 2.2
+    skip_output: bool = False                           # matrix checks only (no model needed)
+    convergence_rows: str = "results/convergence/rows.csv"  # also audit a convergence run's rows ('' to skip)
+    out: str = "results/audit"                          # output directory
+
+    def check(self) -> None:
+        self.check_inputs()
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
+        for name in ("num_heads", "n_matrix", "trials", "n_output", "inputs", "draws"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        for name in ("samples", "output_samples"):
+            got = list(getattr(self, name))
+            if not got or min(got) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: give sample sizes >= 1, got {got}")
+        if self.heads is not None and max(self.heads) >= self.num_heads:
+            raise ConfigError(f"--heads: {list(self.heads)} out of range for --num-heads {self.num_heads}")
+
+
+PRESETS: Dict[str, AuditConfig] = {
+    "default": AuditConfig(),
+    # about a minute on two cores
+    "quick": AuditConfig(n_matrix=512, trials=20, samples=(1, 10, 100, 1000), n_output=1024, inputs=2, draws=2,
+                         output_samples=(100, 1000), out="results/audit/quick"),
+}
 
 
 def allowed_violations(trials: int, delta: float, level: float = CONFIDENCE_LEVEL) -> int:
@@ -101,10 +124,12 @@ def _row(check, subject, statistic, bound, trials, violations, allowed, ok, note
 
 # ============================================================ matrix checks
 def matrix_trials(cfg: AuditConfig, sigmas: Sequence[float], progress=None) -> List[dict]:
+    """:func:`~poslsh.analysis.records.mask_records` of ``cfg.trials`` independent
+    draws for the bandwidths ``sigmas``: one record per (trial, head, s)."""
     rows = []
     sig = torch.tensor(list(sigmas), dtype=torch.float64)
     for t in range(cfg.trials):
-        parts = sample_partitions(sig, max(cfg.samples), seed=draw_seed(cfg.seed, t, "audit-matrix"))
+        parts = sample_partitions(sig, max(cfg.samples), seed=stable_seed("audit-matrix", cfg.seed, t))
         rows.extend(mask_records(parts, cfg.n_matrix, cfg.samples, trial=t))
         if progress is not None:
             progress(1)
@@ -166,26 +191,19 @@ def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> T
 
 
 # ============================================================ Theorem 2.2
-def output_trials(cfg: AuditConfig, progress=None, log=print) -> Tuple[List[dict], dict]:
+def output_trials(cfg: AuditConfig, progress=None) -> Tuple[List[dict], dict]:
     """Real Q/K/V instances x independent draws; one record per (input, draw, layer, head, s)."""
-    from .convergence import ConvergenceConfig, _load, _segments
-    from .qkv import attention_geometry, capture_qkv
-
-    ccfg = ConvergenceConfig(n=cfg.n_output, num_inputs=cfg.inputs, layers=cfg.layers, seed=cfg.seed,
-                             rope=cfg.rope, model=cfg.model, corpora=cfg.corpora, inputs_from=cfg.inputs_from)
-    model, tok = _load(ccfg)
-    hq, _, _ = attention_geometry(model)
-    heads = list(cfg.heads) if cfg.heads is not None else default_heads(hq)
-    sig_all = alibi_sigmas(hq)
-    sigmas = [float(sig_all[h]) for h in heads]
-    segments = _segments(ccfg, tok, model.config.vocab_size)
+    model, tok = load_model(cfg)
+    hq = attention_geometry(model)[0]
+    heads, sigmas = query_heads(cfg, hq)
+    segments = input_segments(cfg, tok, model.config.vocab_size, cfg.inputs, cfg.n_output)
     rows = []
     for i, seg in enumerate(segments):
         qkv = capture_qkv(model, seg.ids, cfg.layers, rope=cfg.rope)
         cache: dict = {}
         for dr in range(cfg.draws):
             parts = sample_partitions(torch.tensor(sigmas, dtype=torch.float64), max(cfg.output_samples),
-                                      seed=draw_seed(cfg.seed, i * 1000 + dr, "audit-output"))
+                                      seed=stable_seed("audit-output", cfg.seed, i * 1000 + dr))
             for r in input_records(qkv, heads, sigmas, cfg.output_samples, parts, index=i, source=seg.source,
                                    spectral=False, cache=cache):
                 r["draw"] = i * cfg.draws + dr
@@ -253,8 +271,7 @@ def _det_ratio(r) -> float:
 
 
 def _convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
-    import csv
-
+    """The records of a convergence run's ``rows.csv`` (typed), and its ``n``."""
     if not path.is_file():
         return None
     with open(path) as f:
@@ -263,7 +280,7 @@ def _convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
         return None
     out = []
     for r in rows:
-        rec = {k: r[k] for k in r}
+        rec = dict(r)
         for k in ("input", "layer", "head", "kv_head", "s", "n", "b_max"):
             rec[k] = int(rec[k])
         for k in ("sigma", "spectral", "max", "t_err", "beta_star", "p_2inf", "v_max"):
@@ -274,7 +291,15 @@ def _convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
 
 
 # ============================================================ run
-def run_audit(cfg: AuditConfig, *, log=print, convergence_rows: Optional[str] = None) -> dict:
+def run(cfg: AuditConfig, *, log: Callable[[str], None] = lambda msg: None) -> dict:
+    """All checks; returns the ``audit.json`` dict (``table``: one row per check,
+    ``passed``: no FAIL). ``log`` gets a line per phase; progress goes to stderr."""
+    cfg.check()
+    with intra_op_threads(cfg.threads), torch.no_grad():
+        return _run(cfg, log)
+
+
+def _run(cfg: AuditConfig, log) -> dict:
     from tqdm import tqdm
 
     t0 = time.time()
@@ -283,122 +308,72 @@ def run_audit(cfg: AuditConfig, *, log=print, convergence_rows: Optional[str] = 
     sigmas = [float(sig_all[h]) for h in heads]
     log(f"audit: delta={cfg.delta}, matrix checks n={cfg.n_matrix} x {cfg.trials} trials, heads {heads} "
         f"(sigma {[round(x, 3) for x in sigmas]}), s {list(cfg.samples)}")
-    bar = tqdm(total=cfg.trials, desc="audit: matrix trials", unit="trial", file=sys.stderr, disable=False,
-               mininterval=2.0)
+    bar = tqdm(total=cfg.trials, desc="audit: matrix trials", unit="trial", file=sys.stderr, mininterval=2.0)
     mrows = matrix_trials(cfg, sigmas, progress=bar.update)
     bar.close()
     for r in mrows:
         r["head"] = heads[r["head_index"]]
     table, mdetails = matrix_checks(mrows, cfg, heads)
-    result = dict(config=asdict(cfg), heads=heads, sigmas=sigmas, matrix=mdetails, output=None,
+    result = dict(config=dataclasses.asdict(cfg), heads=heads, sigmas=sigmas, matrix=mdetails, output=None,
                   output_from_convergence=None)
     t_matrix = time.time() - t0
     if not cfg.skip_output:
-        from ..data.corpus import CorpusNotFound
-        from ..models.smollm2 import ModelNotAvailable
-
         try:
             log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.inputs} inputs x {cfg.draws} draws, "
                 f"layers {list(cfg.layers)}, s {list(cfg.output_samples)}")
             bar = tqdm(total=cfg.inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
-                       disable=False, mininterval=2.0)
-            orows, meta = output_trials(cfg, progress=bar.update, log=log)
+                       mininterval=2.0)
+            orows, meta = output_trials(cfg, progress=bar.update)
             bar.close()
             otable, odetails = output_checks(orows, cfg.n_output, cfg.delta)
             table += otable
             result["output"] = dict(meta=meta, heads=odetails)
-        except (ModelNotAvailable, CorpusNotFound) as e:
+        except InputsNotAvailable as e:      # no model or corpus here: the matrix checks still stand
+            bar.close()
             table.append(dict(check="Thm 2.2 output bound", subject="all heads", statistic="", bound="", trials=0,
                               violations="", allowed="", result="SKIP", note=str(e)))
-    if convergence_rows:
-        got = _convergence_rows(Path(convergence_rows))
+    if cfg.convergence_rows:
+        got = _convergence_rows(Path(cfg.convergence_rows))
         if got is not None:
             crow, n_c = got
             ctable, cdetails = output_checks(crow, n_c, cfg.delta, label=f" [convergence run, n={n_c}]")
             table += ctable
-            result["output_from_convergence"] = dict(path=str(convergence_rows), heads=cdetails)
+            result["output_from_convergence"] = dict(path=str(cfg.convergence_rows), heads=cdetails)
     result["table"] = table
     result["passed"] = all(r["result"] != "FAIL" for r in table)
     result["timing"] = dict(total_s=time.time() - t0, matrix_s=t_matrix)
-    out = Path(cfg.out)
-    fields = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
-    atomic_write(out / "audit.csv", _csv_text(table, fields))
-    atomic_write(out / "audit.md", format_table(table, markdown=True) + "\n")
-    atomic_write(out / "audit.json", json.dumps(result, indent=1, default=float))
-    log(format_table(table))
-    log(f"audit: {'all checks passed' if result['passed'] else 'SOME CHECKS FAILED'} "
-        f"({result['timing']['total_s']:.0f} s) -> {out}")
     return result
 
 
+def write(result: dict, out) -> Path:
+    """``audit.csv``, ``audit.md`` (the table) and ``audit.json`` under ``out``, atomically."""
+    out = Path(out)
+    atomic_write_text(out / "audit.csv", csv_text(result["table"], TABLE_FIELDS, float_format=".9g"))
+    atomic_write_text(out / "audit.md", format_table(result["table"], markdown=True) + "\n")
+    atomic_write_text(out / "audit.json", json.dumps(result, indent=1, default=float))
+    return out
+
+
 def format_table(table: List[dict], *, markdown: bool = False) -> str:
-    cols = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
+    """The check table as aligned plain text, or as a Markdown table."""
+    cells = [[str(r.get(c, "")) for c in TABLE_FIELDS] for r in table]
     if markdown:
-        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        for r in table:
-            lines.append("| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in cols) + " |")
-        return "\n".join(lines)
-    short = cols
-    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in table)) for c in short}
-    lines = ["  ".join(c.ljust(width[c]) for c in short)]
-    lines.append("  ".join("-" * width[c] for c in short))
-    for r in table:
-        lines.append("  ".join(str(r.get(c, "")).ljust(width[c]) for c in short))
+        return markdown_table(TABLE_FIELDS, [[c.replace("|", "\\|") for c in row] for row in cells])
+    width = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(TABLE_FIELDS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(TABLE_FIELDS, width)), "  ".join("-" * w for w in width)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in cells]
     return "\n".join(lines)
 
 
-# ============================================================ CLI
-QUICK = dict(n_matrix=512, trials=20, samples=(1, 10, 100, 1000), n_output=1024, inputs=2, draws=2,
-             output_samples=(100, 1000))
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("audit", help="check the empirical errors against Theorems 2.1/2.2 (pass/fail table)",
-                              description="Theory audit: many independent trials against eqs. (1)-(4) and "
-                                          "Theorem 2.2 at confidence 1 - delta.")
-    add_model_args(p)
-    p.add_argument("--quick", action="store_true", help="a small version (about a minute)")
-    p.add_argument("--delta", type=float, default=0.05)
-    p.add_argument("--trials", type=int, default=None, help="independent draws for the matrix checks (default 60)")
-    p.add_argument("--n-matrix", type=int, default=None, help="n for the matrix checks (default 1024)")
-    p.add_argument("--samples", type=_ints, default=None, help="s for the matrix checks (default 1 10 100 1000 10000)")
-    p.add_argument("--num-heads", type=int, default=9, help="head count that sets the ALiBi slopes (default 9)")
-    p.add_argument("--slope-tol", type=float, default=0.1, help="accepted |slope + 1/2| for the spectral decay")
-    p.add_argument("--n-output", type=int, default=None, help="n for Theorem 2.2 on real Q/K/V (default 2048)")
-    p.add_argument("--inputs", type=int, default=None, help="real inputs for Theorem 2.2 (default 8)")
-    p.add_argument("--draws", type=int, default=None, help="independent draws per input (default 4)")
-    p.add_argument("--output-samples", type=_ints, default=None, help="s for Theorem 2.2 (default 100 1000 10000)")
-    p.add_argument("--skip-output", action="store_true", help="matrix checks only (no model needed)")
-    p.add_argument("--convergence-rows", default="results/convergence/rows.csv",
-                   help="also audit Theorem 2.2 on this convergence run's rows.csv when it exists ('' to skip)")
-    p.add_argument("--out", default=None, help="output directory (default results/audit[/quick])")
-    p.set_defaults(func=_main)
-
-
-def config_from_args(args) -> AuditConfig:
-    q = QUICK if args.quick else {}
-    d = AuditConfig()
-
-    def pick(name, value):
-        return value if value is not None else q.get(name, getattr(d, name))
-    return AuditConfig(
-        delta=args.delta, seed=args.seed, num_heads=args.num_heads,
-        heads=tuple(args.heads) if args.heads else None,
-        n_matrix=pick("n_matrix", args.n_matrix), trials=pick("trials", args.trials),
-        samples=tuple(pick("samples", args.samples)), slope_tol=args.slope_tol,
-        n_output=pick("n_output", args.n_output), inputs=pick("inputs", args.inputs),
-        draws=pick("draws", args.draws), output_samples=tuple(pick("output_samples", args.output_samples)),
-        layers=tuple(args.layers) if args.layers else DEFAULT_LAYERS, rope=args.rope, model=args.model,
-        inputs_from=args.inputs_from, skip_output=args.skip_output,
-        out=args.out or ("results/audit/quick" if args.quick else "results/audit"), quick=bool(args.quick))
-
-
-def _main(args) -> int:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, args.threads))
-    try:
-        with torch.no_grad():
-            result = run_audit(config_from_args(args), convergence_rows=args.convergence_rows or None)
-    finally:
-        torch.set_num_threads(threads)     # callers (tests, notebooks) keep their settings
+def main(cfg: AuditConfig) -> int:
+    """Run, write and print the table; exit code 1 when a check FAILs."""
+    result = run(cfg, log=print)
+    out = write(result, cfg.out)
+    print(format_table(result["table"]))
+    print(f"audit: {'all checks passed' if result['passed'] else 'SOME CHECKS FAILED'} "
+          f"({result['timing']['total_s']:.0f} s) -> {out}")
     return 0 if result["passed"] else 1
+
+
+COMMANDS = [Command(name="audit", help="check the empirical errors against Theorems 2.1/2.2 (pass/fail table)",
+                    config=AuditConfig, presets=PRESETS, default_preset="default", main=main)]

@@ -1,13 +1,18 @@
-"""Figures (matplotlib, Agg backend: no display needed)."""
+"""Figures of the experiments (matplotlib, Agg backend: no display needed),
+each saved atomically: Figure 1 (``poslsh demo``) and the Figure-2 analog
+(``poslsh convergence``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ..alibi import alibi_matrix
 from ..io import atomic_savefig
+from ..partitions import sample_partitions
 
-__all__ = ["plot_convergence"]
+__all__ = ["plot_figure1", "plot_convergence"]
 
 
 def _pyplot():
@@ -19,6 +24,28 @@ def _pyplot():
 
 def _save(fig, path: Path) -> None:
     atomic_savefig(fig, path, dpi=130)
+
+
+def plot_figure1(sigma: float, seed: int, window: int, path) -> Path:
+    """The paper's Figure 1 for one head of bandwidth ``sigma``: ``L*``, one sampled
+    mask, and ``M~`` for s = 5 and 100, on the first ``window`` positions."""
+    plt = _pyplot()
+    sig = torch.tensor([float(sigma)], dtype=torch.float64)
+    panels = [("ALiBi $L^*$ ($\\sigma$=%g)" % float(sigma), alibi_matrix(window, sig)[0])]
+    panels.append(("one sampled mask $M_1$", sample_partitions(sig, 1, seed=seed).dense_mean(window)[0]))
+    for s in (5, 100):
+        panels.append((f"$\\tilde M$, s = {s}", sample_partitions(sig, s, seed=seed + s).dense_mean(window)[0]))
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
+    for ax, (title, mat) in zip(axes, panels):
+        im = ax.imshow(mat.numpy(), cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(title)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(im, ax=axes, shrink=0.8)
+    fig.suptitle(f"Positional LSH approximation of ALiBi (first {window} positions)")
+    atomic_savefig(fig, Path(path), dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_convergence(result: dict, path) -> Path:

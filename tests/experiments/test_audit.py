@@ -1,11 +1,11 @@
 """``poslsh audit``: the checks are computed right, fail when they should, and the
 command runs on a tiny random Llama (no model package, no corpus)."""
-import argparse
 import json
 import math
 
 import pytest
 
+from poslsh.cli import main
 from poslsh.experiments import audit
 from poslsh.experiments.audit import AuditConfig, allowed_violations, c3_constant, output_checks
 
@@ -59,14 +59,11 @@ def test_output_checks_detect_violations():
 def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
     pytest.importorskip("transformers")
     model = tiny_model_dir
-    parser = argparse.ArgumentParser()
-    audit.register(parser.add_subparsers())
     out = tmp_path / "audit"
-    args = parser.parse_args(["audit", "--model", str(model), "--inputs-from", "random", "--num-heads", "6",
-                              "--n-matrix", "64", "--trials", "4", "--samples", "1 10 100", "--slope-tol", "0.3",
-                              "--n-output", "96", "--inputs", "1", "--draws", "2", "--output-samples", "100 1000",
-                              "--layers", "0 1", "--convergence-rows", "", "--out", str(out)])
-    rc = args.func(args)
+    rc = main(["audit", "--model", str(model), "--inputs-from", "random", "--num-heads", "6",
+               "--n-matrix", "64", "--trials", "4", "--samples", "1", "10", "100", "--slope-tol", "0.3",
+               "--n-output", "96", "--inputs", "1", "--draws", "2", "--output-samples", "100", "1000",
+               "--layers", "0", "1", "--convergence-rows", "", "--out", str(out)])
     res = json.loads((out / "audit.json").read_text())
     assert (out / "audit.md").read_text().startswith("| check |")
     checks = {r["check"] for r in res["table"]}
@@ -76,3 +73,20 @@ def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
     assert rc == (0 if res["passed"] else 1)
     assert len(res["output"]["heads"]) == 4 and all(h["deterministic_violations"] == 0
                                                    for h in res["output"]["heads"])
+
+
+def test_quick_preset_and_markdown(tmp_path):
+    q = audit.PRESETS["quick"]
+    assert (q.n_matrix, q.trials, q.inputs, q.draws, q.out) == (512, 20, 2, 2, "results/audit/quick")
+    table = [dict(check="a|b", subject="s", result="PASS")]
+    assert audit.format_table(table, markdown=True).splitlines()[2] == "| a\\|b | s |  |  |  |  |  | PASS |  |"
+
+
+def test_missing_model_skips_output_checks(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "audit"
+    rc = main(["audit", "--model", str(tmp_path / "none"), "--n-matrix", "48", "--trials", "3", "--samples", "1",
+               "10", "--slope-tol", "2", "--convergence-rows", "", "--out", str(out)])
+    res = json.loads((out / "audit.json").read_text())
+    assert res["table"][-1]["result"] == "SKIP" and "not a local Hugging Face model" in res["table"][-1]["note"]
+    assert rc == (0 if res["passed"] else 1)

@@ -1,122 +1,42 @@
-"""``poslsh convergence``: the fast routes agree with the library's definitions,
-and the command runs end to end on a tiny random Llama (no model package, no
-corpus needed)."""
-import argparse
+"""``poslsh convergence``: the command runs end to end on a tiny random Llama (no
+model package, no corpus needed), resumes from its checkpoints, and its draws are
+independent per input. The numerical routes it uses are tested against the library
+in ``tests/analysis/test_mask_counts.py``."""
 import json
 
-import numpy as np
 import pytest
-import torch
 
-from poslsh import alibi_attention, poslsh_attention, theory
-from poslsh.partitions import Partitions, sample_partitions
+from poslsh.analysis import default_heads
+from poslsh.cli import main
 from poslsh.experiments import convergence as conv
-from poslsh.experiments.convergence import (approx_output, causal_weights, default_heads, dense_from_band,
-                                            exact_output, fit_slope, mask_max_error, mask_spectral_error,
-                                            nested_counts)
-
-
-def _prefix(p, hi, s):
-    return Partitions(p.widths[hi:hi + 1, :s], p.offsets[hi:hi + 1, :s], p.sigma[hi:hi + 1])
-
-
-@pytest.mark.parametrize("n", [1, 2, 97, 301])
-def test_nested_counts_equal_dense_count(n):
-    # sigma 0.3 and 0.7: many widths <= 1 (one block per position); 64: wide blocks
-    sig = torch.tensor([0.3, 0.7, 1.41, 8.0, 64.0, 1e4], dtype=torch.float64)
-    p = sample_partitions(sig, 120, seed=n)
-    for hi in range(sig.numel()):
-        # a tiny chunk size forces many chunks and both enumeration routes
-        for snap in nested_counts(p.widths[hi], p.offsets[hi], n, [1, 5, 120], chunk_elems=64):
-            ref = _prefix(p, hi, snap.s).dense_count(n)[0].numpy()
-            assert (dense_from_band(snap.band, snap.width, symmetric=True) == ref).all()
-            assert (dense_from_band(snap.band) == np.tril(ref)).all()
-            assert snap.width == _prefix(p, hi, snap.s).max_block_size(n)
-            assert snap.band.shape == (n, snap.width)
-
-
-def test_nested_counts_rejects_bad_sizes():
-    p = sample_partitions(torch.tensor([2.0]), 10, seed=0)
-    with pytest.raises(ValueError):
-        next(nested_counts(p.widths[0], p.offsets[0], 16, [0, 5]))
-    with pytest.raises(ValueError):
-        next(nested_counts(p.widths[0], p.offsets[0], 16, [11]))
-
-
-@pytest.mark.parametrize("n", [200, 520])
-def test_mask_norms_match_theory(n):
-    # n=200: dense eigenvalues; n=700: Lanczos with the banded (small sigma) and dense (large sigma) routes
-    sig = torch.tensor([1.41, 8.0, 256.0], dtype=torch.float64)
-    p = sample_partitions(sig, 300, seed=1)
-    for hi in range(3):
-        for snap in nested_counts(p.widths[hi], p.offsets[hi], n, [1, 30, 300]):
-            pre = _prefix(p, hi, snap.s)
-            assert mask_max_error(snap, float(sig[hi])) == pytest.approx(float(theory.max_norm_error(pre, n)[0]),
-                                                                         abs=1e-12)
-            ref = float(theory.spectral_norm_error(pre, n, tol=1e-7)[0])
-            assert mask_spectral_error(snap, float(sig[hi]), tol=1e-7) == pytest.approx(ref, rel=1e-5)
-
-
-@pytest.mark.parametrize("sigma", [1.41, 16.0, 500.0])
-def test_outputs_match_library(sigma):
-    n, d = 257, 16
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(n, d, generator=g, dtype=torch.float64) * 2 for _ in range(3))
-    p = sample_partitions(torch.tensor([sigma], dtype=torch.float64), 40, seed=2)
-    a = causal_weights(q, k, chunk=64)
-    ex = exact_output(a, v, sigma, chunk=64)
-    ref = alibi_attention(q[None, None], k[None, None], v[None, None],
-                          torch.tensor([1.0 / sigma], dtype=torch.float64), causal=True)[0, 0]
-    torch.testing.assert_close(ex.t, ref, atol=1e-12, rtol=1e-10)
-    st = theory.instance_stats(q[None], k[None], torch.tensor([sigma]), causal=True)
-    assert ex.beta_star == pytest.approx(float(st.beta_star[0]), rel=1e-10)
-    assert ex.p_2inf == pytest.approx(float(st.p_2inf[0]), rel=1e-10)
-    assert ex.v_max == float(v.abs().max())
-    snap = next(nested_counts(p.widths[0], p.offsets[0], n, [40]))
-    tt = approx_output(a, v, dense_from_band(snap.band, snap.width), snap.width, chunk=64)
-    want = poslsh_attention(q[None, None], k[None, None], v[None, None], p, causal=True, backend="torch")[0, 0]
-    torch.testing.assert_close(tt, want, atol=1e-12, rtol=1e-10)
-
-
-def test_default_heads_span_sigma():
-    assert default_heads(9) == [8, 2, 4, 7]
-    from poslsh import alibi_sigmas
-    for H in (4, 6, 8, 12, 32):
-        hs = default_heads(H)
-        sig = alibi_sigmas(H)[hs]
-        assert len(hs) == 4 and (sig[1:] > sig[:-1]).all()
-        assert float(sig[0]) == float(alibi_sigmas(H).min()) and float(sig[-1]) == float(alibi_sigmas(H).max())
-
-
-def test_fit_slope():
-    s = [1, 10, 100, 1000, 10000]
-    assert fit_slope(s, [3 * x ** -0.5 for x in s]) == pytest.approx(-0.5)
-    assert fit_slope(s, [3 * x ** -0.5 for x in s], min_s=100) == pytest.approx(-0.5)
-    assert fit_slope([1, 10], [1, 2], min_s=100) is None
+from poslsh.io import atomic_write_text
+from poslsh.seeding import stable_seed
 
 
 def test_draw_seeds_independent_and_reproducible():
-    assert conv.draw_seed(0, 1) == conv.draw_seed(0, 1)
-    assert len({conv.draw_seed(0, i) for i in range(100)}) == 100
-    assert conv.draw_seed(0, 1) != conv.draw_seed(1, 1)
+    # the seeds convergence draws input i's partitions with
+    assert stable_seed("partitions", 0, 1) == stable_seed("partitions", 0, 1)
+    assert len({stable_seed("partitions", 0, i) for i in range(100)}) == 100
+    assert stable_seed("partitions", 0, 1) != stable_seed("partitions", 1, 1)
+
+
+def test_presets_and_fingerprint():
+    quick, default = conv.PRESETS["quick"], conv.PRESETS["default"]
+    assert (quick.n, quick.num_inputs, quick.out) == (1024, 4, "results/convergence/quick")
+    assert (default.n, default.num_inputs, default.out) == (4096, 30, "results/convergence")
+    # checkpoints depend on what is computed, not on where or how it is reported
+    assert default.fingerprint() == conv.ConvergenceConfig(out="elsewhere", plot=False, num_inputs=3).fingerprint()
+    assert default.fingerprint() != conv.ConvergenceConfig(samples=(1, 10)).fingerprint()
 
 
 # ------------------------------------------------------------- end to end
-def _run(argv):
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    conv.register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
 def test_cli_end_to_end_and_resume(tmp_path, capsys, tiny_model_dir):
     pytest.importorskip("transformers")
     model = tiny_model_dir
     out = tmp_path / "out"
     argv = ["convergence", "--model", str(model), "--inputs-from", "random", "--n", "96", "--inputs", "2",
-            "--samples", "1 10 100", "--layers", "0 1", "--out", str(out)]
-    assert _run(argv) == 0
+            "--samples", "1", "10", "100", "--layers", "0", "1", "--out", str(out)]
+    assert main(argv) == 0
     for name in ("rows.csv", "summary.csv", "convergence.json", "convergence.png"):
         assert (out / name).is_file(), name
     res = json.loads((out / "convergence.json").read_text())
@@ -135,25 +55,32 @@ def test_cli_end_to_end_and_resume(tmp_path, capsys, tiny_model_dir):
         assert [r["spectral_mean"] for r in a] == [r["spectral_mean"] for r in b]
         assert [r["t_err_mean"] for r in a] != [r["t_err_mean"] for r in b]
         assert all(r["inputs"] == 2 for r in a)
+    assert "fitted log-log slopes" in capsys.readouterr().out
     # resume: nothing recomputed, same numbers
     argv += ["--no-plot"]
-    assert _run(argv) == 0
+    assert main(argv) == 0
     res2 = json.loads((out / "convergence.json").read_text())
     assert res2["timing"]["resumed_inputs"] == 2 and res2["timing"]["computed_inputs"] == 0
     assert res2["summary"] == res["summary"]
     # a different configuration does not reuse the checkpoints
-    assert _run(argv + ["--samples", "1 10", "--no-cross-check"]) == 0
+    assert main(argv + ["--samples", "1", "10", "--no-cross-check"]) == 0
     res3 = json.loads((out / "convergence.json").read_text())
     assert res3["timing"]["computed_inputs"] == 2
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
-    assert _run(["convergence", "--model", str(tmp_path / "none"), "--inputs-from", "random",
+    assert main(["convergence", "--model", str(tmp_path / "none"), "--inputs-from", "random",
                  "--out", str(tmp_path / "o")]) == 2
     assert "not a local Hugging Face model directory" in capsys.readouterr().err
 
 
-def test_atomic_write(tmp_path):
-    conv.atomic_write(tmp_path / "a" / "x.txt", "hello")
+def test_bad_values_are_config_errors(tmp_path, capsys):
+    assert main(["convergence", "--samples", "0", "10", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--samples" in err and len(err.strip().splitlines()) == 1
+
+
+def test_checkpoint_writes_are_atomic(tmp_path):
+    atomic_write_text(tmp_path / "a" / "x.txt", "hello")
     assert (tmp_path / "a" / "x.txt").read_text() == "hello"
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["x.txt"]

@@ -3,11 +3,12 @@
 Most tests use the offline synthetic corpus (so they run without the Debian
 documentation packages) and tiny models; the smoke-preset test needs python-doc.
 """
+import copy
 import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,41 +17,42 @@ import torch
 
 pytest.importorskip("transformers")
 
+from poslsh.cli import main as poslsh_main, parse  # noqa: E402
 from poslsh.data import tokens as tokmod  # noqa: E402
 from poslsh.data.corpus import available_corpora  # noqa: E402
 from poslsh.data.tokens import DataConfig, batch_windows, load_token_data  # noqa: E402
-from poslsh.experiments import lm_eval  # noqa: E402
-from poslsh.experiments.lm_eval import apply_overrides  # noqa: E402
-from poslsh.experiments.train import (config_from_dict, config_to_dict, get_preset, load_checkpoint_params,  # noqa: E402
-                                      lr_at, parse_method, run_dir, train)
+from poslsh.experiments.lm import table  # noqa: E402
+from poslsh.experiments.command import ConfigError  # noqa: E402
+from poslsh.experiments.lm.checkpoint import load_checkpoint_params, resolve_checkpoint  # noqa: E402
+from poslsh.experiments.lm.commands import COMMANDS  # noqa: E402
+from poslsh.experiments.lm.config import PRESETS, TrainConfig, get_preset, parse_method, run_dir  # noqa: E402
+from poslsh.experiments.lm.evaluation import eval_windows  # noqa: E402
+from poslsh.experiments.lm.loop import lr_scheduler, make_optimizer, train  # noqa: E402
+from poslsh.experiments.serialize import config_from_dict, config_to_dict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = {"data.corpora": "synthetic", "data.tokenizer": "bpe:300", "data.synthetic_docs": "150",
-        "model.hidden_size": "32", "model.num_layers": "2", "model.num_heads": "4", "model.num_kv_heads": "2",
-        "model.head_dim": "8", "model.intermediate_size": "64", "seq_len": "32", "batch_size": "4",
-        "micro_batch_size": "4", "steps": "8", "eval_tokens": "256", "eval_batch_tokens": "512",
-        "ckpt_interval": "3", "fixed_block_size": "8", "lr": "3e-3", "threads": "1"}
+TINY_DATA = dict(corpora=("synthetic",), tokenizer="bpe:300", synthetic_docs=150)
+TINY_MODEL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+TINY = dict(seq_len=32, batch_size=4, micro_batch_size=4, steps=8, eval_tokens=256, eval_batch_tokens=512,
+            ckpt_interval=3, fixed_block_size=8, lr=3e-3, threads=1)
 
 
-def tiny_cfg(tmp_path, method="poslsh-s3", cache=None, **extra):
-    items = {**TINY, "runs_dir": str(tmp_path / "runs"), "cache_dir": str(cache or tmp_path / "cache"), "method": method,
-             **{k: str(v) for k, v in extra.items()}}
-    return apply_overrides(get_preset("smoke"), [f"{k}={v}" for k, v in items.items()])
+def tiny_cfg(tmp_path, method="poslsh-s3", cache=None, model=(), **extra):
+    base = get_preset("smoke")
+    return replace(base, data=replace(base.data, **TINY_DATA),
+                   model=replace(base.model, **{**TINY_MODEL, **dict(model)}),
+                   runs_dir=str(tmp_path / "runs"), cache_dir=str(cache or tmp_path / "cache"), method=method,
+                   **{**TINY, **extra})
 
 
 def cli(cfg, *extra, env=None, launcher=(sys.executable,)):
-    """Run ``python -m poslsh.experiments.train train`` for ``cfg`` in a subprocess."""
-    sets = []
-    for k, v in config_to_dict(cfg).items():
-        if isinstance(v, dict):
-            sets += [f"{k}.{kk}={','.join(map(str, vv)) if isinstance(vv, list) else vv}" for kk, vv in v.items()
-                     if vv is not None]
-        elif v is not None and k not in ("methods", "seeds"):
-            sets.append(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}")
-    cmd = [*launcher, "-m", "poslsh.experiments.train", "train", "--preset", "smoke", "--no-progress"]
-    for s in sets:
-        cmd += ["--set", s]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    """Run ``python -m poslsh train --config-json <cfg>`` in a subprocess."""
+    request = Path(cfg.runs_dir).parent / f"request-{cfg.method}-seed{cfg.seed}.json"
+    request.parent.mkdir(parents=True, exist_ok=True)
+    request.write_text(json.dumps(config_to_dict(cfg)))
+    cmd = [*launcher, "-m", "poslsh", "train", "--config-json", str(request), "--no-progress"]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
     return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
 
 
@@ -61,27 +63,84 @@ def final_params(cfg):
 # ------------------------------------------------------------------ config
 def test_methods_and_presets():
     assert parse_method("poslsh-s20") == ("poslsh", 20)
+    assert parse_method("poslsh-s20").num_samples == 20 and parse_method("alibi").scheme == "alibi"
     assert parse_method("original") == ("original", 1)
     with pytest.raises(ValueError):
         parse_method("poslsh-sx")
     for name in ("smoke", "cpu", "gpu", "smoke-lora", "cpu-lora", "gpu-lora"):
         cfg = get_preset(name)
         assert cfg.preset == name and all(parse_method(m) for m in cfg.methods)
-        assert config_from_dict(config_to_dict(cfg)) == cfg
+        assert config_from_dict(TrainConfig, config_to_dict(cfg)) == cfg
     assert get_preset("cpu").methods == ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10",
                                          "poslsh-s20", "fixed_blocks")
-    cfg = apply_overrides(get_preset("smoke"), ["steps=5", "model.hidden_size=48", "data.corpora=synthetic",
-                                                "methods=alibi,poslsh-s5", "data.max_train_docs=None"])
+    from poslsh.experiments.lm.model import positional_config
+    pc = positional_config(replace(get_preset("cpu"), method="poslsh-s20", seed=3))
+    assert (pc.scheme, pc.num_samples, pc.block_size, pc.seed, pc.eval_seed) == ("poslsh", 20, 64, 3, 3)
+
+
+def test_presets_are_deep_copies():
+    cfg = get_preset("cpu")
+    assert cfg == PRESETS["cpu"] and cfg.model is not PRESETS["cpu"].model and cfg.data is not PRESETS["cpu"].data
+    cfg.model.hidden_size = 7
+    assert PRESETS["cpu"].model.hidden_size == 128 and get_preset("cpu").model.hidden_size == 128
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("nope")
+
+
+def test_cli_overrides_and_set():
+    train_cmd = {c.name: c for c in COMMANDS}["train"]
+    cfg = parse(train_cmd, ["--set", "steps=5", "--set", "model.hidden_size=48", "--set", "data.corpora=synthetic",
+                            "--set", "methods=alibi,poslsh-s5", "--set", "data.max_train_docs=None"])
     assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora, cfg.methods) == (5, 48, ("synthetic",),
                                                                                  ("alibi", "poslsh-s5"))
-    with pytest.raises(ValueError, match="unknown config key"):
-        apply_overrides(cfg, ["model.nope=1"])
+    assert cfg.preset == "smoke" and cfg.data.max_train_docs is None and cfg.resume is False
+    same = parse(train_cmd, ["--steps", "5", "--model.hidden-size", "48", "--data.corpora", "synthetic",
+                             "--methods", "alibi", "poslsh-s5", "--data.max-train-docs", "None"])
+    assert same == cfg
+    cfg = parse(train_cmd, ["--preset", "cpu", "--method", "alibi", "--seed", "2", "--resume", "--no-progress"])
+    assert (cfg.preset, cfg.method, cfg.seed, cfg.resume, cfg.progress, cfg.steps) == ("cpu", "alibi", 2, True,
+                                                                                       False, 2800)
+    with pytest.raises(SystemExit):
+        parse(train_cmd, ["--set", "model.nope=1"])
+
+
+def test_cli_rejects_bad_config(tmp_path, capsys):
+    base = ["--preset", "smoke", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
+            "--no-progress"]
+    assert poslsh_main(["train", *base, "--method", "poslsh-s0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "method" in err and "poslsh-s0" in err
+    assert poslsh_main(["train", *base, "--set", "method=bogus"]) == 2      # --set reaches the same field
+    assert poslsh_main(["train", *base, "--steps", "0"]) == 2
+    assert "steps" in capsys.readouterr().err
+    assert poslsh_main(["table", *base, "--methods", "alibi", "rope", "--aggregate-only"]) == 2
+    assert not (tmp_path / "runs").exists()
 
 
 def test_lr_schedule():
+    """Hugging Face's linear schedule (lr 0 at step 0), and the same rates after a resume."""
     cfg = replace(get_preset("smoke"), steps=100, lr=1.0, warmup_ratio=0.1)
-    assert lr_at(cfg, 0) == pytest.approx(0.1) and lr_at(cfg, 9) == pytest.approx(1.0)
-    assert lr_at(cfg, 55) == pytest.approx(0.5) and lr_at(cfg, 99) > 0
+    params = [("w", torch.nn.Parameter(torch.zeros(2, 2)))]
+    opt = make_optimizer(params, cfg)
+    sched = lr_scheduler(opt, cfg)
+    lrs, saved = [], None
+    for step in range(cfg.steps):
+        if step == 40:
+            saved = copy.deepcopy(opt.state_dict())
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(0.1) and lrs[10] == pytest.approx(1.0)
+    assert lrs[55] == pytest.approx(0.5) and lrs[99] > 0
+    opt2 = make_optimizer(params, cfg)
+    opt2.load_state_dict(saved)
+    sched2 = lr_scheduler(opt2, cfg, start=40)
+    resumed = []
+    for _ in range(40, cfg.steps):
+        resumed.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    assert resumed == lrs[40:]
 
 
 # -------------------------------------------------------------------- data
@@ -123,7 +182,7 @@ def test_eval_windows_score_each_target_once():
     for k in (1, 2, 4):
         C = k * L
         scored = []
-        for i, b in enumerate(lm_eval.eval_windows(T, C, L)):
+        for i, b in enumerate(eval_windows(T, C, L)):
             keep = C if i == 0 else L
             scored += list(range(b + C - keep + 1, b + C + 1))
             assert b + C <= T
@@ -136,17 +195,17 @@ def test_findings_and_markdown():
                 "eval": {"1x": {"context": 8, "ppl": p1, "acc": 40.0}, "2x": {"context": 16, "ppl": p2, "acc": 41.0}}}
     res = [run("original", 0, 20.0, 30.0), run("alibi", 0, 19.0, 18.9), run("poslsh-s1", 0, 19.5, 19.4),
            run("poslsh-s20", 0, 19.1, 19.0), run("fixed_blocks", 0, 19.8, 19.8), run("alibi", 1, 19.2, 19.0)]
-    rows = lm_eval.aggregate(res, ["original", "alibi", "poslsh-s1", "poslsh-s20", "fixed_blocks"])
+    rows = table.aggregate(res, ["original", "alibi", "poslsh-s1", "poslsh-s20", "fixed_blocks"])
     alibi = [r for r in rows if r["method"] == "alibi" and r["length"] == "1x"][0]
     assert alibi["ppl_mean"] == pytest.approx(19.1) and alibi["ppl_std"] == pytest.approx(np.std([19, 19.2], ddof=1))
-    text = lm_eval.render_markdown(rows, {"title": "t", "command": "`poslsh table`"})
+    text = table.render_markdown(rows, {"title": "t", "command": "`poslsh table`"})
     assert "| Positional LSH, s=20 | 1 | 19.10 | 40.00 |" in text and "PPL @8 (training)" in text
     assert "| ALiBi | 2 | 19.10 ± 0.14 |" in text
-    found = lm_eval.findings(rows)
+    found = table.findings(rows)
     assert all("does NOT" not in f for f in found), found
     # a second seed of s=20 makes the ALiBi gap paired per seed; 19.9 vs 19.2 is +3.6%: fails
-    rows = lm_eval.aggregate(res + [run("poslsh-s20", 1, 19.9, 19.0)], ["alibi", "poslsh-s20"])
-    gap = [f for f in lm_eval.findings(rows) if "within about 1%" in f][0]
+    rows = table.aggregate(res + [run("poslsh-s20", 1, 19.9, 19.0)], ["alibi", "poslsh-s20"])
+    gap = [f for f in table.findings(rows) if "within about 1%" in f][0]
     print(gap)
     assert "per seed: +0.53%, +3.65%" in gap and "does NOT hold" in gap
 
@@ -165,7 +224,7 @@ def test_smoke_preset_trains_and_evaluates(tmp_path):
     assert result["eval"]["4x"]["context"] == 4 * cfg.seq_len
     assert result["final_train_loss"] < 6.0            # ln(512) = 6.24 at initialisation
     assert json.loads((run_dir(cfg) / "result.json").read_text())["eval"] == result["eval"]
-    rows = lm_eval.run_table(cfg, ["poslsh-s5"], [0], tmp_path / "results", train_missing=False)
+    rows = table.run_table(cfg, ["poslsh-s5"], [0], tmp_path / "results", train_missing=False)
     assert len(rows) == 1
     for ext in ("md", "csv", "json"):
         assert (tmp_path / "results" / "smoke" / f"table.{ext}").exists()
@@ -178,23 +237,25 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
         train(cfg, progress=False, evaluate=False)
     res = train(cfg, progress=False, resume=True)        # finished: nothing left to train, just evaluate
     assert res["eval"]["1x"]["tokens"] == 256
-    from poslsh.experiments.train import main
-    assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress",
-                 "--set", "eval_multipliers=1,2"]) == 0      # `poslsh eval` on the saved checkpoint
+    saved = json.loads((run_dir(cfg) / "config.json").read_text())
+    assert set(saved) == {f.name for f in fields(TrainConfig)}     # run options are not saved with the run
+    conf = ["--config-json", str(run_dir(cfg) / "config.json"), "--no-progress"]
+    assert poslsh_main(["eval", *conf, "--set", "eval_multipliers=1,2"]) == 0   # `poslsh eval` on the checkpoint
     again = json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]
     assert set(again) == {"1x", "2x"} and again["1x"]["ppl"] == pytest.approx(res["eval"]["1x"]["ppl"], rel=1e-6)
     # --checkpoint accepts the run directory and the `latest` pointer, and rejects anything else
     for ckpt in (run_dir(cfg), run_dir(cfg) / "checkpoints" / "latest"):
-        assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress",
-                     "--set", "eval_multipliers=1", "--checkpoint", str(ckpt)]) == 0
+        assert poslsh_main(["eval", *conf, "--eval-multipliers", "1", "--checkpoint", str(ckpt)]) == 0
         assert json.loads((run_dir(cfg) / "eval-test.json").read_text())["eval"]["1x"]["ppl"] == again["1x"]["ppl"]
     # another run's checkpoint evaluated as a different method is filed with that checkpoint
     other = replace(cfg, method="alibi")
-    assert main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--no-progress", "--set",
-                 "eval_multipliers=1", "--method", "alibi", "--checkpoint", str(run_dir(cfg))]) == 0
+    assert poslsh_main(["eval", *conf, "--set", "eval_multipliers=1", "--method", "alibi",
+                        "--checkpoint", str(run_dir(cfg))]) == 0
     assert (run_dir(cfg) / "eval-test-as-alibi.json").exists() and not run_dir(other).exists()
-    with pytest.raises(SystemExit, match="not a checkpoint"):
-        main(["eval", "--config-json", str(run_dir(cfg) / "config.json"), "--checkpoint", str(tmp_path)])
+    assert poslsh_main(["eval", *conf, "--checkpoint", str(tmp_path)]) == 2      # not a checkpoint
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        resolve_checkpoint(str(tmp_path), run_dir(cfg))
+    assert poslsh_main(["train", *conf]) == 2                                   # exists: --resume or --overwrite
 
 
 def test_resume_after_kill_equals_uninterrupted(tmp_path):
@@ -245,12 +306,12 @@ def test_lora_finetune_on_a_tiny_local_base(tmp_path):
     base.save_pretrained(tmp_path / "base")
     for method in ("original", "poslsh-s2"):
         cfg = tiny_cfg(tmp_path, method=method, steps=3, threads=0,
-                       **{"model.kind": "lora", "model.base": tmp_path / "base"})
+                       model=dict(kind="lora", base=str(tmp_path / "base")))
         result = train(cfg, progress=False)
         assert np.isfinite(result["eval"]["4x"]["ppl"])
         params = final_params(cfg)
         assert params and all("lora_" in n for n in params)   # only the adapters are trained and saved
-    from poslsh.experiments.train import build_model
+    from poslsh.experiments.lm.model import build_model
     model = build_model(cfg, 300)
     assert isinstance(model.base_model.model.model.rotary_emb, hf.NoRotaryEmbedding)
     assert model.base_model.model.config._attn_implementation == "poslsh"

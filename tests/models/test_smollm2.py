@@ -14,8 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from poslsh.experiments import qkv as qkv_mod  # noqa: E402
-from poslsh.experiments.qkv import capture_qkv, decoder_layers  # noqa: E402
+from poslsh.analysis import qkv as qkv_mod  # noqa: E402
+from poslsh.analysis.qkv import capture_qkv, decoder_layers  # noqa: E402
 from poslsh.models import smollm2  # noqa: E402
 from poslsh.models.smollm2 import ModelNotAvailable, load_causal_lm, load_smollm2  # noqa: E402
 
@@ -183,7 +183,7 @@ def _real_or_skip():
 def test_real_smollm2():
     _real_or_skip()
     from poslsh.data.corpus import available_corpora
-    from poslsh.experiments.qkv import corpus_segments
+    from poslsh.analysis.qkv import corpus_segments
 
     model, tok = load_smollm2()
     assert (model.config.num_hidden_layers, model.config.num_attention_heads,
