@@ -371,13 +371,14 @@ def _setup_context(ctx, inputs, output):
     q, k, v, widths, offsets, causal, scale, _, positions = inputs
     out, lse, start, end = output
     ctx.save_for_backward(q, k, v, lse, start, end, widths)
-    ctx.causal, ctx.scale, ctx.positions = causal, scale, positions
+    ctx.causal, ctx.scale, ctx.positions = causal, scale, tuple(positions)
     ctx.mark_non_differentiable(lse, start, end)
 
 
 def _backward(ctx, dout, dlse, dstart, dend):
     q, k, v, lse, start, end, widths = ctx.saved_tensors
-    dq, dk, dv = torch_attention_bwd(dout, q, k, v, lse, start, end, widths, ctx.causal, ctx.scale, ctx.positions)
+    dq, dk, dv = torch_attention_bwd(dout, q, k, v, lse, start, end, widths, ctx.causal, ctx.scale,
+                                     list(ctx.positions))
     return dq, dk, dv, None, None, None, None, None, None
 
 
