@@ -377,6 +377,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse, dstart, dend):
     q, k, v, lse, start, end, widths = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        # create_graph=True (gradient penalties, Hessian-vector products): differentiate a
+        # recomputation traced by autograd, so the gradients are differentiable in turn.
+        # Same tiles, no n x n tensor, but autograd keeps every chunk's scores alive.
+        shape = _shape(q, k, v)
+        bounds = RowBounds(start, end, ctx.causal, _span(q, k, list(ctx.positions)).delta)
+        with torch.autocast(q.device.type, enabled=False):
+            out, _ = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, ctx.scale, False)
+        wanted = [x for x in (q, k, v) if x.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
+        grads = [next(got) if x.requires_grad else None for x in (q, k, v)]
+        return (*grads, None, None, None, None, None, None)
     dq, dk, dv = torch_attention_bwd(dout, q, k, v, lse, start, end, widths, ctx.causal, ctx.scale,
                                      list(ctx.positions))
     return dq, dk, dv, None, None, None, None, None, None
