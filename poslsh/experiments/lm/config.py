@@ -1,0 +1,203 @@
+"""What a language-model run is: dataclass configs, named presets, methods.
+
+A :class:`TrainConfig` fully determines a run (and is what ``config.json`` holds);
+the ``*Command`` subclasses add options of one invocation (resume, progress bar,
+table jobs) that are not part of the experiment. ``poslsh <command> --help``
+shows the comment after each field.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import NamedTuple, Optional, Tuple
+
+from ...data.tokens import SPLITS, DataConfig
+from ..command import ConfigError
+
+__all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand", "TableCommand", "PRESETS",
+           "Positional", "get_preset", "parse_method", "method_label", "check", "experiment_config", "run_dir"]
+
+METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA
+    base: str = "smollm2"             # lora base: "smollm2" or a local Hugging Face model directory
+    hidden_size: int = 128            # scratch: model width
+    num_layers: int = 4               # scratch: decoder layers
+    num_heads: int = 8                # scratch: query heads
+    num_kv_heads: int = 4             # scratch: key/value heads (GQA)
+    head_dim: int = 16                # scratch: dimension per head
+    intermediate_size: int = 384      # scratch: MLP width
+    lora_r: int = 16                  # LoRA rank (the paper: r 16, alpha 32, dropout 0.05 on q/k/v/o)
+    lora_alpha: int = 32              # LoRA alpha
+    lora_dropout: float = 0.05        # LoRA dropout
+    lora_targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # modules LoRA adapts
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "custom"            # name of the preset this config came from (part of the run directory)
+    method: str = "poslsh-s10"        # positional scheme: original, alibi, fixed_blocks or poslsh-s<k>
+    seed: int = 0                     # seeds init, data order, partitions and dropout
+    data: DataConfig = field(default_factory=DataConfig)     # corpora and tokenizer
+    model: ModelConfig = field(default_factory=ModelConfig)  # model shape or LoRA base
+    seq_len: int = 256                # training context length
+    batch_size: int = 16              # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 16        # sequences per forward pass on one rank (gradient accumulation)
+    steps: int = 1000                 # optimizer steps
+    lr: float = 1e-3                  # peak learning rate (AdamW, betas 0.9/0.999, eps 1e-8, as in the paper)
+    weight_decay: float = 0.01        # AdamW weight decay (not on norms and biases)
+    warmup_ratio: float = 0.1         # linear warmup over this fraction of the steps, then linear decay to 0
+    grad_clip: float = 1.0            # gradient-norm clip (0 = off)
+    fixed_block_size: int = 64        # block size of the fixed_blocks baseline (paper: 512 at 8k context)
+    eval_multipliers: Tuple[int, ...] = (1, 2, 4)   # eval context = multiplier x seq_len
+    eval_tokens: int = 32768          # scored tokens per eval length (the same tokens for every length)
+    eval_batch_tokens: int = 8192     # tokens per eval forward pass
+    eval_split: str = "test"          # split evaluated: test, validation or train
+    ckpt_interval: int = 200          # steps between checkpoints
+    keep_checkpoints: int = 2         # checkpoints kept per run (older ones are deleted)
+    device: str = "auto"              # auto | cpu | cuda
+    amp: str = "auto"                 # auto | bf16 | off: bf16 autocast on CUDA unless off
+    threads: int = 0                  # torch intra-op threads (0 = torch default)
+    runs_dir: str = "runs"            # runs live in <runs_dir>/<preset>/<method>/seed<k>/
+    cache_dir: str = ""               # token/tokenizer cache ("" = ~/.cache/poslsh or $POSLSH_CACHE)
+    methods: Tuple[str, ...] = METHODS  # methods `poslsh table` runs
+    seeds: Tuple[int, ...] = (0, 1, 2)  # seeds `poslsh table` runs
+
+
+# Options of one invocation: never saved in a run's config.json.
+@dataclass
+class TrainCommand(TrainConfig):
+    resume: bool = False              # continue from the run's latest checkpoint
+    overwrite: bool = False           # delete an existing run of the same name first
+    progress: bool = True             # show a progress bar
+
+
+@dataclass
+class EvalCommand(TrainConfig):
+    checkpoint: Optional[str] = None  # checkpoint dir, run dir or checkpoints/latest (default: this run's latest)
+    progress: bool = True             # print each length's result as it finishes
+
+
+@dataclass
+class TableCommand(TrainConfig):
+    results_dir: str = "results"      # table.md/csv/json go to <results_dir>/<preset>/
+    dry_run: bool = False             # time a few steps per method and print an estimate; train nothing
+    aggregate_only: bool = False      # only tabulate finished runs
+    jobs: int = 1                     # runs trained in parallel (subprocesses with cpu_count/jobs threads each)
+    progress: bool = True             # show progress bars
+
+
+def experiment_config(cmd: TrainConfig) -> TrainConfig:
+    """The :class:`TrainConfig` part of a command config (what a run saves)."""
+    return TrainConfig(**{f.name: getattr(cmd, f.name) for f in fields(TrainConfig)})
+
+
+def _cpu_model() -> ModelConfig:
+    return ModelConfig(hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, intermediate_size=384)
+
+
+PRESETS = {
+    # End-to-end in well under 2 minutes on 2 cores: a few python-doc pages, a 512-token BPE.
+    "smoke": TrainConfig(
+        preset="smoke", data=DataConfig(corpora=("python-doc",), tokenizer="bpe:512", max_train_docs=40,
+                                        max_eval_docs=8),
+        model=ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          intermediate_size=128),
+        seq_len=64, batch_size=8, micro_batch_size=8, steps=30, lr=3e-3, fixed_block_size=16,
+        eval_tokens=2048, eval_batch_tokens=4096, ckpt_interval=10, seeds=(0, 1)),
+    # The from-scratch table (Table 1's analog) on 2 CPU cores in < 3 h: 7 methods x 3 seeds, run as
+    # `poslsh table --preset cpu --jobs 2`. Small batches learn far more per token at this scale (the
+    # paper uses batch 1): 2 x 256 tokens, 2800 steps = 1.4M tokens per run.
+    "cpu": TrainConfig(
+        preset="cpu", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
+        seq_len=256, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3, fixed_block_size=64,
+        eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400),
+    # A larger model and context for one GPU (the paper: Qwen3-0.6B at 8k; this is much smaller).
+    "gpu": TrainConfig(
+        preset="gpu", data=DataConfig(tokenizer="bpe:16384"),
+        model=ModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                          intermediate_size=1536),
+        seq_len=1024, batch_size=32, micro_batch_size=16, steps=6000, lr=5e-4, fixed_block_size=128,
+        eval_tokens=131072, eval_batch_tokens=65536, ckpt_interval=500),
+    # LoRA fine-tuning of SmolLM2-135M with its RoPE replaced (Table 2's analog).
+    "smoke-lora": TrainConfig(
+        preset="smoke-lora", data=DataConfig(corpora=("python-doc",), tokenizer="smollm2", max_train_docs=20,
+                                             max_eval_docs=4),
+        model=ModelConfig(kind="lora"), method="alibi", seq_len=64, batch_size=2, micro_batch_size=2, steps=4,
+        lr=1e-4, fixed_block_size=16, eval_tokens=256, eval_batch_tokens=1024, ckpt_interval=2,
+        methods=("original", "alibi", "poslsh-s5"), seeds=(0,)),
+    # Reduced for 2 CPU cores (about an hour; SmolLM2 trains at ~80 tokens/s per core): 100 steps
+    # (102k tokens), four methods, one seed, and twice the paper's learning rate as the run is short.
+    "cpu-lora": TrainConfig(
+        preset="cpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
+        seq_len=256, batch_size=4, micro_batch_size=2, steps=100, lr=2e-4, fixed_block_size=64,
+        eval_tokens=4096, eval_batch_tokens=2048, ckpt_interval=20,
+        methods=("original", "alibi", "poslsh-s5", "fixed_blocks"), seeds=(0,)),
+    # The complete fine-tuning table on a GPU.
+    "gpu-lora": TrainConfig(
+        preset="gpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
+        seq_len=1024, batch_size=8, micro_batch_size=8, steps=2000, lr=1e-4, fixed_block_size=128,
+        eval_tokens=65536, eval_batch_tokens=32768, ckpt_interval=250,
+        methods=("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")),
+}
+
+
+def get_preset(name: str) -> TrainConfig:
+    """A deep copy of preset ``name`` (mutating it leaves :data:`PRESETS` alone)."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+class Positional(NamedTuple):
+    """A method's positional scheme: the ``scheme`` and ``num_samples`` fields of
+    :class:`poslsh.integrations.hf.PositionalConfig`."""
+
+    scheme: str            # original | alibi | poslsh | fixed_blocks
+    num_samples: int = 1   # s, partitions per head (poslsh only)
+
+
+def parse_method(method: str) -> Positional:
+    """``"poslsh-s10"`` -> ``Positional("poslsh", 10)``; other methods have ``num_samples = 1``."""
+    if method in ("original", "alibi", "fixed_blocks"):
+        return Positional(method, 1)
+    if method.startswith("poslsh-s") and method[8:].isdigit() and int(method[8:]) >= 1:
+        return Positional("poslsh", int(method[8:]))
+    raise ConfigError(f"method: unknown method {method!r}; use original, alibi, fixed_blocks or poslsh-s<k> "
+                      "(e.g. poslsh-s10)")
+
+
+METHOD_LABELS = {"original": "Original (RoPE)", "alibi": "ALiBi", "fixed_blocks": "Fixed blocks"}
+
+
+def method_label(method: str) -> str:
+    """The name a table prints: ``poslsh-s10`` -> ``Positional LSH, s=10``."""
+    if method.startswith("poslsh-s"):
+        return f"Positional LSH, s={method[8:]}"
+    return METHOD_LABELS.get(method, method)
+
+
+def check(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the field) for a config no run can use."""
+    parse_method(cfg.method)
+    for name in ("steps", "seq_len", "batch_size", "micro_batch_size", "ckpt_interval", "eval_tokens",
+                 "eval_batch_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if not cfg.eval_multipliers or min(cfg.eval_multipliers) < 1:
+        raise ConfigError(f"eval_multipliers must be positive integers, got {cfg.eval_multipliers}")
+    if cfg.model.kind not in ("scratch", "lora"):
+        raise ConfigError(f"model.kind must be 'scratch' or 'lora', got {cfg.model.kind!r}")
+    choices = {"device": ("auto", "cpu", "cuda"), "amp": ("auto", "bf16", "off"), "eval_split": SPLITS}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    """``<runs_dir>/<preset>/<method>/seed<k>``: where a run keeps its checkpoints and results."""
+    return Path(cfg.runs_dir) / cfg.preset / cfg.method / f"seed{cfg.seed}"
