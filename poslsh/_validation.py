@@ -3,6 +3,7 @@ with a message that names the problem, never deep inside torch."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -60,8 +61,14 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False, any_le
 
 
 def check_scale(scale: Optional[float], head_dim: int) -> float:
+    """The logit scale: ``1 / sqrt(head_dim)`` by default (1 for head_dim 0, where every
+    logit is 0 anyway); a given scale must be a real number (not a string or a bool)."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")

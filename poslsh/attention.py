@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
+
 from torch import Tensor
 
 from ._validation import AttnShape, check_heads, check_qkv, check_scale
@@ -60,11 +62,28 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
     scale = check_scale(scale, shape.head_dim)
     load_backends()
     chosen = registry.resolve(backend, q, spans=spans)
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or q.device.type == "meta":
+        return _degenerate(q, k, v, partitions, shape, bool(causal), scale, chosen.name,
+                           dict(q_start=q_start, k_start=k_start, seq_len=seq_len))
     parts = partitions.to(q.device)
     if not spans:
         return chosen.fn(q, k, v, parts, shape, bool(causal), scale)
     return chosen.fn(q, k, v, parts, shape, bool(causal), scale,
                      span=make_span(shape, causal, q_start, k_start, seq_len))
+
+
+def _degenerate(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
+                scale: float, backend: str, positions: dict) -> Tensor:
+    """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device (shape
+    inference): the exact answer without running a kernel."""
+    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
+    if q.device.type == "meta" or B == 0 or shape.v_dim == 0:
+        out = torch.empty(B, Hq, n, shape.v_dim, dtype=q.dtype, device=q.device)
+        return out if q.device.type == "meta" else out + 0 * (q.sum() + k.sum() + v.sum())   # keeps autograd
+    # head_dim 0: every logit is 0, so the weights are the counts alone: run the op on
+    # one zero feature (same result, no empty matmuls).
+    pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
+    return poslsh_attention(pad(q), pad(k), v, partitions, causal=causal, scale=scale, backend=backend, **positions)
 
 
 def make_span(shape: AttnShape, causal: bool, q_start: int, k_start: int, seq_len: Optional[int]) -> Span:

@@ -12,6 +12,7 @@ partitions whatever device they are moved to afterwards.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
@@ -20,6 +21,9 @@ from torch import Tensor
 
 __all__ = ["Partitions", "Blocks", "sample_partitions", "hash_positions", "bin_start", "block_labels",
            "block_bounds"]
+
+
+MAX_WIDTH = 1e300   # widths are clamped here (a single block for any sequence)
 
 
 class Blocks(NamedTuple):
@@ -71,6 +75,8 @@ class Partitions:
             raise ValueError("partition widths must be > 0")
         if not bool(torch.isfinite(self.offsets).all()):
             raise ValueError("partition offsets must be finite")
+        if self.sigma is not None and not isinstance(self.sigma, Tensor):
+            object.__setattr__(self, "sigma", _validate_sigma(self.sigma))
         if self.sigma is not None and self.sigma.shape != (w.shape[0],):
             raise ValueError(f"sigma must have shape [H]={w.shape[0]}, got {tuple(self.sigma.shape)}")
 
@@ -224,8 +230,15 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
 
 
 def _validate_sigma(sigma) -> Tensor:
-    if not isinstance(sigma, Tensor):
+    if isinstance(sigma, Tensor):
+        pass
+    elif isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) or (
+            isinstance(sigma, (list, tuple)) and all(isinstance(x, numbers.Real) and not isinstance(x, bool)
+                                                     for x in sigma)):
         sigma = torch.as_tensor(sigma, dtype=torch.float64)
+    else:
+        raise TypeError(f"sigma must be a tensor, a number or a list of numbers (per-head bandwidths), "
+                        f"got {type(sigma).__name__}")
     if sigma.dim() == 0:
         sigma = sigma.reshape(1)
     if sigma.dim() != 1 or sigma.numel() < 1:
@@ -236,6 +249,15 @@ def _validate_sigma(sigma) -> Tensor:
     if bool(bad.any()):
         raise ValueError(f"every sigma must be finite and > 0; got {sigma.tolist()}")
     return sigma
+
+
+def _validate_seed(seed) -> int:
+    """An int torch.manual_seed accepts exactly (no silent flooring or overflow)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not -(2 ** 63) <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    return int(seed)
 
 
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
@@ -262,13 +284,15 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
     if generator is not None and generator.device.type != "cpu":
         raise ValueError("generator must be a CPU torch.Generator (sampling runs on the CPU for reproducibility)")
     if seed is not None:
-        generator = torch.Generator().manual_seed(int(seed))
+        generator = torch.Generator().manual_seed(_validate_seed(seed))
     H = sigma.numel()
     sig = sigma.detach().to("cpu", torch.float64)
     # Gamma(2, sigma) = sigma * (E1 + E2) with E ~ Exp(1); 1 - U avoids log(0).
     u = torch.rand(3, H, num_samples, dtype=torch.float64, generator=generator)
     widths = -sig[:, None] * (torch.log1p(-u[0]) + torch.log1p(-u[1]))
-    widths = widths.clamp_min(torch.finfo(torch.float64).tiny)
+    # Clamp to finite widths: sigma near float64's max would overflow to inf (and a NaN
+    # offset); any width beyond 1e300 is one block for every representable sequence.
+    widths = widths.clamp(min=torch.finfo(torch.float64).tiny, max=MAX_WIDTH)
     offsets = u[2] * widths
     dev = sigma.device
     return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev))
