@@ -9,7 +9,9 @@ exit with code 2 (``--debug`` shows the traceback); Ctrl-C exits with 130.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -106,8 +108,29 @@ def parse(cmd: Command, args: Sequence[str]):
         base = config_from_dict(cmd.config, json.loads(path.read_text()))
     else:
         base = cmd.preset(preset or cmd.default_preset)
-    return tyro.cli(cmd.config, default=base, args=_sets_to_flags(args), prog=f"poslsh {cmd.name}",
-                    description=cmd.help)
+    flags = _sets_to_flags(args)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(cmd.config, default=base, args=flags, prog=f"poslsh {cmd.name}", description=cmd.help)
+    except SystemExit as e:
+        if e.code:      # a parse error: tyro draws a box; the user gets its one message line
+            raise ConfigError(_one_line(err.getvalue(), cmd.name)) from None
+        sys.stderr.write(err.getvalue())
+        raise
+
+
+def _one_line(box: str, name: str) -> str:
+    """tyro's error box -> ``message (perhaps you meant --flag TYPE); see poslsh NAME --help``."""
+    lines = [ln.strip(" │╭╮╰╯") for ln in box.splitlines()]
+    lines = [ln for ln in lines if ln.strip("─-")]       # drop rules and blank lines
+    message = lines[1] if len(lines) > 1 else (lines[0] if lines else "invalid arguments")
+    hint = ""
+    if "Perhaps you meant:" in lines:
+        i = lines.index("Perhaps you meant:")
+        if i + 1 < len(lines):
+            hint = f" (perhaps you meant {lines[i + 1]})"
+    return f"{message}{hint}; see `poslsh {name} --help`"
 
 
 def _split_debug(argv: List[str]) -> Tuple[List[str], bool]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
 
+import torch
+
 from ...data.tokens import SPLITS, DataConfig
 from ..command import ConfigError
 
@@ -196,6 +198,26 @@ def check(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for but this machine has no CUDA device; use --device cpu "
+                          "(or auto)")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError(f"keep_checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"lr must be > 0, got {cfg.lr}")
+    if cfg.threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
+    check_directory("runs_dir", cfg.runs_dir)
+
+
+def check_directory(name: str, path: str) -> None:
+    """An output directory must be a directory (or not exist yet): checked before any work."""
+    p = Path(path)
+    for parent in (p, *p.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{name}: {parent} is a file, not a directory; choose another {name}")
+            break
 
 
 def run_dir(cfg: TrainConfig) -> Path:
