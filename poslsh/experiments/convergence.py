@@ -51,7 +51,7 @@ import tyro
 from .. import theory
 from ..analysis.qkv import attention_geometry, capture_qkv
 from ..analysis.records import FIT_MIN_S, ROW_FIELDS, cross_check, fit_slope, input_records
-from ..io import atomic_write_json, atomic_write_text, csv_text
+from ..io import atomic_write_text, csv_text
 from ..partitions import sample_partitions
 from ..seeding import stable_seed
 from ..threads import intra_op_threads

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -53,7 +53,7 @@ from .hf_convert import (IMPLEMENTATIONS, SCHEMES, NoRotaryEmbedding, Positional
                          positional_config)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "PositionalConfig", "register", "apply_positional_scheme",
-           "model_from_config", "positional_config", "layer_partitions", "LayerState",
+           "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "LayerState",
            "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward"]
 
@@ -225,7 +225,7 @@ _WARNED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def _warn_dense_once(module, scheme: str, cause: str) -> None:
-    key = (id(module.config), scheme, cause)
+    key = (id(module.config), scheme, cause.split(" (")[0])    # the cause without its sizes
     if _WARNED.get(key) is not module.config:
         log.warning("%s attention: %s needs the exact dense O(nq * nk) path (warned once per model)", scheme, cause)
         _WARNED[key] = module.config
@@ -327,6 +327,28 @@ def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **par
     """
     register()
     return convert(model_or_config, scheme, **params)
+
+
+def from_pretrained(path, **kwargs):
+    """Load a model saved with ``save_pretrained`` and re-apply its saved positional scheme
+    (``config.poslsh``): RoPE removed again and the attention implementation selected.
+
+    Plain ``AutoModelForCausalLM.from_pretrained`` cannot know about the scheme: it would
+    load a poslsh / ALiBi model as a RoPE + sdpa model, whose logits are wrong.
+    ``kwargs`` go to ``from_pretrained`` (e.g. ``dtype``); nothing is downloaded unless
+    ``local_files_only=False`` is passed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register()
+    kwargs.setdefault("local_files_only", True)
+    config = AutoConfig.from_pretrained(path, local_files_only=kwargs["local_files_only"])
+    pc = positional_config(config)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=pc.implementation, **kwargs)
+    if pc.scheme == "original":
+        return model
+    params = {k: v for k, v in asdict(pc).items() if k not in ("scheme", "rope_removed")}
+    return convert(model, pc.scheme, **params)
 
 
 def model_from_config(config, scheme: Optional[str] = None, **params):

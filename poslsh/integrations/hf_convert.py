@@ -85,7 +85,20 @@ class NoRotaryEmbedding(nn.Module):
         return f"dim={self.dim}"
 
 
+# Modules of learned or fixed absolute positions (GPT-2's wpe, OPT's embed_positions, BERT's
+# position_embeddings): the scheme cannot remove them, so conversion refuses such models.
+_ABSOLUTE_POSITIONS = ("wpe", "embed_positions", "position_embeddings", "pos_emb", "position_embedding")
+
+
 def _remove_rope(model: nn.Module) -> int:
+    """Replace every rotary embedding by :class:`NoRotaryEmbedding`; refuse models whose
+    positional signal is something else (it would stay, and the scheme would be added on top)."""
+    absolute = [name for name, _ in model.named_modules() if name.rpartition(".")[2] in _ABSOLUTE_POSITIONS]
+    if absolute:
+        raise ValueError(f"{type(model).__name__} has absolute position embeddings ({', '.join(absolute)}) that "
+                         "apply_positional_scheme cannot remove; it converts RoPE models (Llama, Qwen, Mistral "
+                         "families) only")
+    already = any(isinstance(m, NoRotaryEmbedding) for m in model.modules())
     replaced = 0
     for name, m in list(model.named_modules()):
         if type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, NoRotaryEmbedding):
@@ -95,6 +108,9 @@ def _remove_rope(model: nn.Module) -> int:
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             setattr(parent, name.rpartition(".")[2], NoRotaryEmbedding(2 * inv.numel()).to(inv.device))
             replaced += 1
+    if not replaced and not already:
+        raise ValueError(f"found no rotary embedding in {type(model).__name__} to remove: apply_positional_scheme "
+                         "converts RoPE models (Llama, Qwen, Mistral families) only")
     return replaced
 
 

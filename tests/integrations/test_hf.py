@@ -229,3 +229,37 @@ def test_unsupported_options_raise():
     bias_mask[..., 0] = -1.0
     with pytest.raises(ValueError, match="non-zero biases"):
         model(ids(), attention_mask=bias_mask)
+
+
+# ---------------------------------------------------------------- loading, refusing, warnings
+@pytest.mark.parametrize("scheme", ["poslsh", "alibi", "fixed_blocks"])
+def test_from_pretrained_reapplies_the_saved_scheme(scheme, tmp_path):
+    model = tiny_model(scheme, num_samples=4)
+    model.save_pretrained(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        want = model(x).logits
+        got = hf.from_pretrained(tmp_path, dtype=torch.float64).eval()(x).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()(x).logits
+    err, plain_err = float((got - want).abs().max()), float((plain - want).abs().max())
+    print(f"{scheme}: reloaded with hf.from_pretrained {err:.1e}; plain from_pretrained (RoPE + sdpa) {plain_err:.2e}")
+    assert err < 1e-12 and plain_err > 1e-3
+
+
+def test_models_without_rope_are_refused():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(ValueError, match="absolute position embeddings"):
+        hf.apply_positional_scheme(gpt2, "poslsh")
+
+
+def test_dense_fallback_warns_once_per_model_with_the_cause(caplog):
+    model = tiny_model("poslsh")
+    x = ids(B=1, n=12)
+    with caplog.at_level("WARNING", logger="poslsh.integrations.hf"), torch.no_grad():
+        out = model(x[:, :8], use_cache=True)
+        cache = out.past_key_values
+        for i in range(8, 11):
+            cache = model(x[:, i:i + 1], past_key_values=cache, use_cache=True).past_key_values
+    warnings = [r.getMessage() for r in caplog.records if "dense" in r.getMessage()]
+    print(warnings)
+    assert len(warnings) == 1 and "KV-cache decoding" in warnings[0]
