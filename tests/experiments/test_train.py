@@ -100,7 +100,7 @@ def test_cli_overrides_and_set():
     cfg = parse(train_cmd, ["--preset", "cpu", "--method", "alibi", "--seed", "2", "--resume", "--no-progress"])
     assert (cfg.preset, cfg.method, cfg.seed, cfg.resume, cfg.progress, cfg.steps) == ("cpu", "alibi", 2, True,
                                                                                        False, 2800)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="Unrecognized options: --model.nope"):
         parse(train_cmd, ["--set", "model.nope=1"])
 
 

@@ -28,7 +28,7 @@ from ...seeding import stable_seed
 from ...threads import intra_op_threads
 from ..command import ConfigError
 from ..serialize import config_to_dict
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, run_lock, save_checkpoint
 from .config import TrainConfig, check, experiment_config, run_dir
 from .evaluation import eval_forward_tokens, evaluate as evaluate_model
 from .model import Dist, autocast_for, build_model, load_data, trainable_parameters
@@ -78,7 +78,9 @@ def start_run(cfg: TrainConfig, params, optimizer, dist: Dist, resume: bool, ove
         saved = load_checkpoint(ckpt, params, optimizer, dist.device)
         state = RunState(saved["step"], saved.get("history", []), saved.get("elapsed_s", 0.0))
         if dist.main:
-            print(f"resuming {out_dir} from step {state.step}", file=sys.stderr)
+            print(f"resuming {out_dir} from step {state.step} ({ckpt})", file=sys.stderr)
+    elif resume and dist.main and any((out_dir / "checkpoints").glob("step-*")):
+        print(f"no complete checkpoint in {out_dir / 'checkpoints'}: starting {out_dir} from step 0", file=sys.stderr)
     elif (ckpt is not None or (out_dir / "result.json").exists()) and not overwrite:
         raise FileExistsError(f"{out_dir} already has a run: pass --resume to continue it or --overwrite")
     elif overwrite and dist.main and out_dir.exists():
@@ -167,7 +169,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     Returns the result dict, also written to ``<run dir>/result.json``."""
     cfg = experiment_config(cfg)   # a command config's run options are not part of the run
     check(cfg)
-    with intra_op_threads(cfg.threads):
+    # Rank 0 holds the run directory's lock: two jobs never write one run.
+    lock = run_lock(run_dir(cfg)) if int(os.environ.get("RANK", "0")) == 0 else nullcontext()
+    with lock, intra_op_threads(cfg.threads):
         return _train(cfg, resume, overwrite, progress, evaluate)
 
 

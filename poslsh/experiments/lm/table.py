@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...io import atomic_write_text, csv_text, markdown_table
 from ...threads import intra_op_threads
 from ..serialize import config_to_dict
-from .config import TrainConfig, method_label, run_dir
+from .config import TrainConfig, experiment_config, method_label, run_dir
 from .loop import estimate_minutes, train
 from .model import build_model
 
@@ -181,6 +181,28 @@ def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
 
 
 # ------------------------------------------------------------------------ runs
+# Fields that do not change what a run computes (where it lives, how it is scheduled).
+NOT_RESULTS = ("methods", "seeds", "threads", "runs_dir", "cache_dir", "ckpt_interval", "keep_checkpoints", "device")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_differences(expected: TrainConfig, saved: dict) -> str:
+    """How a run's saved config differs from the table's config for that run ('' if it does
+    not): ``steps 30 -> 5``-style, on the fields that change results."""
+    want = config_to_dict(experiment_config(expected))
+    if not saved:
+        return "no recorded config"
+    a, b = _flatten(want), _flatten(saved)
+    keys = sorted(k for k in set(a) | set(b) if k.split(".")[0] not in NOT_RESULTS and a.get(k) != b.get(k))
+    return ", ".join(f"{k} {b.get(k)!r} (table: {a.get(k)!r})" for k in keys)
+
+
 def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], results_dir: Path, *,
               progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1) -> List[dict]:
     """Train (or resume) every missing method x seed run, ``jobs`` at a time, then write the
@@ -195,8 +217,21 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
         else:
             for r in todo:
                 train(r, resume=True, progress=progress)
-    results = [json.loads((run_dir(r) / "result.json").read_text()) for r in runs
-               if (run_dir(r) / "result.json").exists()]
+    results, others = [], []
+    for r in runs:
+        path = run_dir(r) / "result.json"
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        diff = config_differences(r, result.get("config") or {})
+        if diff:
+            others.append(f"{path}: trained with {diff}")
+        else:
+            results.append(result)
+    if others and int(os.environ.get("RANK", "0")) == 0:
+        print(f"left out of the table: {len(others)} run(s) trained with another config than this table's "
+              "(retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere):\n  "
+              + "\n  ".join(others), file=sys.stderr)
     if int(os.environ.get("RANK", "0")) == 0 and results:
         title = ("Length extrapolation, trained from scratch (Table 1 analog)" if cfg.model.kind == "scratch"
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")

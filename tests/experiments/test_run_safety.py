@@ -1,0 +1,104 @@
+"""Runs are never lost or mixed: complete-only checkpoints (manifest written last),
+resume from the newest complete one, a lock per run directory, tables of one config only,
+Ctrl-C ends with the checkpoint message and exit code 130."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from poslsh.experiments.command import ConfigError  # noqa: E402
+from poslsh.experiments.lm import table  # noqa: E402
+from poslsh.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
+from poslsh.experiments.lm.config import run_dir  # noqa: E402
+from poslsh.experiments.lm.loop import train  # noqa: E402
+
+from test_train import REPO, final_params, tiny_cfg  # noqa: E402
+
+
+def _steps(run):
+    return sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+
+
+def test_damaged_checkpoints_are_skipped_reported_and_kept(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=9, ckpt_interval=3, keep_checkpoints=2)
+    train(cfg, progress=False, evaluate=False)
+    run = run_dir(cfg)
+    assert _steps(run) == ["step-00000006", "step-00000009"]          # keep_checkpoints=2 keeps two
+    newest = run / "checkpoints" / "step-00000009"
+    with open(newest / "model.safetensors", "r+b") as f:               # truncate the newest
+        f.truncate(100)
+    assert "bytes" in checkpoint_problem(newest)
+    (run / "checkpoints" / "latest").write_text("")                   # an empty pointer changes nothing
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-00000006"
+    err = capsys.readouterr().err
+    print(err)
+    assert f"skipping damaged checkpoint {newest}" in err
+    # resume takes the newest complete checkpoint, says which, and reaches the same end
+    done = train(cfg, resume=True, progress=False, evaluate=False)
+    err = capsys.readouterr().err
+    assert "from step 6" in err and "step-00000006" in err
+    assert done["steps"] == 9 and (run / "checkpoints" / "step-00000009" / "manifest.json").exists()
+
+
+def test_checkpoint_without_manifest_is_incomplete(tmp_path):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, ckpt_interval=3)
+    train(cfg, progress=False, evaluate=False)
+    ck = run_dir(cfg) / "checkpoints" / "step-00000003"
+    (ck / "manifest.json").unlink()
+    assert "no manifest.json" in checkpoint_problem(ck)
+    with pytest.raises(ConfigError, match="is damaged"):
+        from poslsh.experiments.lm.checkpoint import load_checkpoint_params
+        load_checkpoint_params(ck)
+
+
+def test_second_process_on_a_run_is_refused(tmp_path):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3)
+    with run_lock(run_dir(cfg)):
+        with pytest.raises(ConfigError, match=f"in use by process {os.getpid()}"):
+            train(cfg, progress=False, evaluate=False)
+        with pytest.raises(ConfigError, match="in use"):                 # --overwrite too
+            train(cfg, overwrite=True, progress=False, evaluate=False)
+    train(cfg, progress=False, evaluate=False)                          # free again
+
+
+def test_table_uses_only_runs_of_its_config(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi",), seeds=(0, 1))
+    train(replace(cfg, seed=0), progress=False, evaluate=True)
+    train(replace(cfg, seed=1, steps=4), progress=False, evaluate=True)   # another config
+    results = table.run_table(cfg, ["alibi"], [0, 1], tmp_path / "results", progress=False, train_missing=False)
+    err = capsys.readouterr().err
+    print(err)
+    assert [r["seed"] for r in results] == [0]
+    assert "left out of the table: 1 run" in err and "steps 4 (table: 3)" in err and "--overwrite" in err
+    md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
+    assert "| ALiBi | 1 |" in md
+
+
+def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=400, ckpt_interval=1000)
+    request = tmp_path / "request.json"
+    from poslsh.experiments.serialize import config_to_dict
+    request.write_text(json.dumps(config_to_dict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "poslsh", "train", "--config-json", str(request), "--no-progress"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((run_dir(cfg)).glob("config.json")):
+        time.sleep(0.2)
+    time.sleep(2.0)                       # a few steps in
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    print(err[-2000:])
+    assert proc.returncode == 130
+    assert "checkpoint at step" in err and "rerun with --resume" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert latest_checkpoint(run_dir(cfg)) is not None
