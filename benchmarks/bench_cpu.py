@@ -7,8 +7,15 @@ Configuration (issue 2): float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
 * memory: peak resident memory of a fresh process running poslsh at n=65536,
   minus that process's resident memory after creating its inputs.
 
-Prints medians and ratios, writes ``results/bench_cpu.json`` atomically.
-Run: ``python benchmarks/bench_cpu.py [--quick]``.
+* busy machine: the same two forwards while a standard background load runs
+  (``--load-procs`` processes, each looping 512 x 512 float32 matmuls on
+  ``--load-threads`` threads: by default 2 x 2 threads on top of ours, i.e. the
+  cores oversubscribed 3x), started and stopped by this script; reports the spread
+  (min / median / max) and the busy / quiet ratios.
+
+Prints medians and ratios, writes ``outputs/bench_cpu.json`` atomically (the committed
+``results/bench_cpu.json`` is refreshed only with ``--out results/bench_cpu.json``).
+Run: ``python benchmarks/bench_cpu.py [--quick] [--no-busy]``.
 """
 from __future__ import annotations
 
@@ -16,8 +23,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +64,65 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
 
+LOAD_SCRIPT = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(512, 512)
+while True:
+    a @ a
+"""
+
+
+class BackgroundLoad:
+    """``procs`` processes of matmul loops on ``threads`` threads each, for a ``with`` block."""
+
+    def __init__(self, procs: int, threads: int):
+        self.procs, self.threads, self.children = procs, threads, []
+
+    def __enter__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        self.children = [subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, str(self.threads)], env=env)
+                         for _ in range(self.procs)]
+        time.sleep(1.0)          # let the load reach full speed
+        return self
+
+    def __exit__(self, *exc):
+        for c in self.children:
+            c.terminate()
+        for c in self.children:
+            c.wait()
+
+
+def spread(fn, repeats: int) -> dict:
+    """Wall seconds of ``fn()`` (after one warm-up): min / median / max, and CPU / wall."""
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return {"min": min(walls), "median": statistics.median(walls), "max": max(walls),
+            "cpu_per_wall": sum(cpus) / sum(walls)}
+
+
+def busy_comparison(n: int, repeats: int, procs: int, threads: int) -> dict:
+    """poslsh forward and SDPA + ALiBi mask at ``n``, quiet and under the standard load."""
+    q, k, v, parts = inputs(n)
+    mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
+    fns = {"poslsh torch, forward": lambda: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch"),
+           "SDPA + ALiBi mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+    out = {}
+    with torch.no_grad():
+        quiet = {name: spread(fn, repeats) for name, fn in fns.items()}
+        with BackgroundLoad(procs, threads):
+            busy = {name: spread(fn, repeats) for name, fn in fns.items()}
+    for name in fns:
+        out[name] = {"quiet": quiet[name], "busy": busy[name],
+                     "busy_over_quiet": busy[name]["median"] / quiet[name]["median"]}
+    return out
+
+
 def _peak_rss() -> int:
     """Peak resident set size of this process (VmHWM), in bytes."""
     with open("/proc/self/status") as f:
@@ -87,7 +155,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller n (4096 / 16384), fewer repeats")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="results/bench_cpu.json")
+    ap.add_argument("--out", default="outputs/bench_cpu.json")
+    ap.add_argument("--busy", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time under a standard background load (default on)")
+    ap.add_argument("--load-procs", type=int, default=2, help="background load: processes")
+    ap.add_argument("--load-threads", type=int, default=2, help="background load: threads per process")
     args = ap.parse_args()
     if args.memory_child is not None:
         peak_memory_child(args.memory_child)
@@ -119,10 +191,21 @@ def main() -> None:
     print(f"time(n={n_large}) / time(n={n_small}): {scaling:.2f}   (target <= 4.5)")
     print(f"peak memory growth at n={n_large}: {mem['peak_growth_bytes'] / 2**20:.0f} MiB "
           f"(peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; target < 2 GiB)")
+    busy = None
+    if args.busy:
+        busy = busy_comparison(n_small, max(5, reps), args.load_procs, args.load_threads)
+        print(f"\nunder a background load of {args.load_procs} x {args.load_threads}-thread matmul processes "
+              f"(n={n_small}, wall ms min / median / max, CPU time per wall second):")
+        for name, r in busy.items():
+            for when in ("quiet", "busy"):
+                x = r[when]
+                print(f"  {name:26s} {when:5s} {x['min'] * 1e3:8.1f} / {x['median'] * 1e3:8.1f} / "
+                      f"{x['max'] * 1e3:8.1f}   cpu/wall {x['cpu_per_wall']:.2f}")
+            print(f"  {name:26s} busy / quiet median: {r['busy_over_quiet']:.2f}x")
     atomic_write_json(args.out, {
         "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
         "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
-        "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem,
+        "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem, "busy": busy,
     })
     print(f"wrote {args.out}")
 
