@@ -23,11 +23,18 @@ stated confidence ``1 - delta``:
 not exceed the 99.9% quantile of Binomial(``T``, ``delta``); a FAIL therefore
 rejects "violation probability <= delta" at the 0.1% level.
 
-Outputs: ``results/audit/audit.json``, ``audit.csv`` and ``audit.md`` (the table).
+A check that cannot run here (no model, no corpus, ``--skip-output``, no
+convergence rows) is a SKIPPED row that says why, and the summary line counts
+passed / failed / skipped. Rows computed from a convergence run's ``rows.csv`` name
+that file in their ``source`` column (``committed`` when it is the reference under
+``results/``): they were not produced by this run.
+
+Outputs (git-ignored ``outputs/audit/``, ``outputs/audit/quick/`` for ``--quick``;
+``--out results/audit`` refreshes the committed reference): ``audit.json``,
+``audit.csv`` and ``audit.md`` (the table).
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -35,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -44,18 +51,20 @@ from .. import theory
 from ..alibi import alibi_sigmas
 from ..analysis.qkv import attention_geometry, capture_qkv
 from ..analysis.records import FIT_MIN_S, default_heads, fit_slope, input_records, mask_records
-from ..io import atomic_write_text, csv_text, markdown_table
+from ..io import atomic_write_text, csv_text
 from ..partitions import sample_partitions
 from ..seeding import stable_seed
 from ..threads import intra_op_threads
+from .audit_table import (AUTO_ROWS, TABLE_FIELDS, THIS_RUN, format_table, read_convergence_rows,
+                          reused_source, skipped_row, summary_line, table_row)
 from .command import Command, ConfigError
-from .model_inputs import InputsNotAvailable, ModelInputs, input_segments, load_model, query_heads
+from .model_inputs import (InputsNotAvailable, ModelInputs, check_out_dir, input_segments, is_reference,
+                           load_model, missing_prerequisites, query_heads)
 
 __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
-           "output_trials", "output_checks", "run", "write", "main", "format_table", "COMMANDS"]
+           "output_trials", "output_checks", "run", "write", "main", "format_table", "summary_line", "COMMANDS"]
 
 CONFIDENCE_LEVEL = 0.999       # binomial test level for "violation rate <= delta"
-TABLE_FIELDS = ["check", "subject", "statistic", "bound", "trials", "violations", "allowed", "result", "note"]
 
 
 @dataclass
@@ -74,8 +83,10 @@ class AuditConfig(ModelInputs):
     draws: int = 4                                      # independent draws per input
     output_samples: Tuple[int, ...] = (100, 1000, 10000)  # s for Theorem 2.2
     skip_output: bool = False                           # matrix checks only (no model needed)
-    convergence_rows: str = "results/convergence/rows.csv"  # also audit a convergence run's rows ('' to skip)
-    out: str = "results/audit"                          # output directory
+    # also audit a convergence run's rows.csv ('' skips; auto: outputs/convergence/rows.csv when there, else the
+    # committed results/convergence/rows.csv)
+    convergence_rows: str = "auto"
+    out: str = "outputs/audit"                          # output directory (results/audit: the reference)
 
     def check(self) -> None:
         self.check_inputs()
@@ -90,13 +101,16 @@ class AuditConfig(ModelInputs):
                 raise ConfigError(f"--{name.replace('_', '-')}: give sample sizes >= 1, got {got}")
         if self.heads is not None and max(self.heads) >= self.num_heads:
             raise ConfigError(f"--heads: {list(self.heads)} out of range for --num-heads {self.num_heads}")
+        if self.convergence_rows not in ("", "auto") and not Path(self.convergence_rows).is_file():
+            raise ConfigError(f"--convergence-rows: no such file {self.convergence_rows} ('' to skip, auto to "
+                              f"use {' or '.join(AUTO_ROWS)} when there)")
+        check_out_dir("--out", self.out)
 
 
 PRESETS: Dict[str, AuditConfig] = {
     "default": AuditConfig(),
-    # about a minute on two cores
     "quick": AuditConfig(n_matrix=512, trials=20, samples=(1, 10, 100, 1000), n_output=1024, inputs=2, draws=2,
-                         output_samples=(100, 1000), out="results/audit/quick"),
+                         output_samples=(100, 1000), out="outputs/audit/quick"),
 }
 
 
@@ -115,11 +129,6 @@ def c3_constant(n: int, delta: float) -> float:
     """The ``C`` at which Theorem 2.2's ``Delta_P`` (with ``||P||_{2,inf} = 1``)
     equals eq. (3)'s deviation: ``sqrt(log(2 n^2 / delta) / (2 log(n / delta)))``."""
     return math.sqrt(math.log(2.0 * n * n / delta) / (2.0 * math.log(n / delta)))
-
-
-def _row(check, subject, statistic, bound, trials, violations, allowed, ok, note=""):
-    return dict(check=check, subject=subject, statistic=statistic, bound=bound, trials=trials,
-                violations=violations, allowed=allowed, result="PASS" if ok else "FAIL", note=note)
 
 
 # ============================================================ matrix checks
@@ -175,15 +184,15 @@ def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> T
                                             quantile=float(np.quantile(spec, 1 - delta)),
                                             eq1_C1=theory.spectral_expectation_bound(n, s, sigma, 1.0)))
         per_cell = allowed_violations(len(by[(hi, ss[0])]), delta)
-        table.append(_row("eq. (3) max-norm", subject, f"max ||L*-M~||max / eps3 = {worst3:.3f}",
+        table.append(table_row("eq. (3) max-norm", subject, f"max ||L*-M~||max / eps3 = {worst3:.3f}",
                           f"eps3(n={n}, s, delta={delta:g})", trials, viol3, f"{per_cell}/cell", not fail3,
                           f"{len(ss)} values of s"))
-        table.append(_row("eq. (4) block size", subject, f"max b_max / bound = {worst4:.3f}",
+        table.append(table_row("eq. (4) block size", subject, f"max b_max / bound = {worst4:.3f}",
                           "1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
         slope = fit_slope(ss, means, cfg.fit_min_s)
         c1 = max(m / theory.spectral_expectation_bound(n, s, sigma, 1.0) for s, m in zip(ss, means))
         ok = slope is not None and abs(slope + 0.5) <= cfg.slope_tol
-        table.append(_row("spectral decay (eq. 1/2)", subject,
+        table.append(table_row("spectral decay (eq. 1/2)", subject,
                           "slope n/a" if slope is None else f"slope {slope:+.3f} (s >= {cfg.fit_min_s})",
                           f"-0.5 +- {cfg.slope_tol:g}", len(by[(hi, ss[0])]), "", "", ok,
                           f"eq. (1) holds on the means with any C >= {c1:.3g}"))
@@ -214,9 +223,11 @@ def output_trials(cfg: AuditConfig, progress=None) -> Tuple[List[dict], dict]:
     return rows, meta
 
 
-def output_checks(rows: List[dict], n: int, delta: float, *, label: str = "") -> Tuple[List[dict], List[dict]]:
+def output_checks(rows: List[dict], n: int, delta: float, *, label: str = "",
+                  source: str = THIS_RUN) -> Tuple[List[dict], List[dict]]:
     """Theorem 2.2 rows (per head) from attention records with fields ``t_err``,
-    ``beta_star``, ``p_2inf``, ``v_max``, ``max``, ``s``, ``draw``."""
+    ``beta_star``, ``p_2inf``, ``v_max``, ``max``, ``s``, ``draw``; ``source`` says
+    where the records come from."""
     c3 = c3_constant(n, delta)
     smin = math.log(n / delta)
     table, details = [], []
@@ -247,17 +258,17 @@ def output_checks(rows: List[dict], n: int, delta: float, *, label: str = "") ->
         allowed = allowed_violations(D, delta)
         subject = f"head {h}, sigma={sigma:.3g}"
         q = float(np.quantile(cs, 1 - delta))
-        table.append(_row(f"Thm 2.2 output bound{label}", subject,
+        table.append(table_row(f"Thm 2.2 output bound{label}", subject,
                           f"smallest C: q{int(round(100 * (1 - delta)))} {q:.3g}, max {cs.max():.3g}",
                           f"C3 = {c3:.3f} (from eq. 3)", D, len(c3_viol_draws), allowed,
                           len(c3_viol_draws) <= allowed,
                           f"bound finite in {applicable}/{len(rs)} instances; "
-                          f"median beta* {np.median([r['beta_star'] for r in rs]):.2g}"))
+                          f"median beta* {np.median([r['beta_star'] for r in rs]):.2g}", source))
         ratios = [_det_ratio(r) for r in rs if r["max"] < r["beta_star"]]
-        table.append(_row(f"Thm 2.2 deterministic step{label}", subject,
+        table.append(table_row(f"Thm 2.2 deterministic step{label}", subject,
                           f"max err/bound = {max(ratios):.3g}" if ratios else "never applicable",
                           "eqs. (8)-(14) with measured ||L*-M~||max", len(ratios), det_viol, 0, det_viol == 0,
-                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances"))
+                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances", source))
         details.append(dict(head=h, sigma=sigma, n=n, draws=D, C3=c3, C_quantile=q, C_max=float(cs.max()),
                             C_median=float(np.median(cs)), c3_violations=len(c3_viol_draws), allowed=allowed,
                             applicable=applicable, instances=len(rs), deterministic_violations=det_viol))
@@ -270,30 +281,11 @@ def _det_ratio(r) -> float:
     return r["t_err"] / b if b > 0 else (0.0 if r["t_err"] == 0 else float("inf"))
 
 
-def _convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
-    """The records of a convergence run's ``rows.csv`` (typed), and its ``n``."""
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return None
-    out = []
-    for r in rows:
-        rec = dict(r)
-        for k in ("input", "layer", "head", "kv_head", "s", "n", "b_max"):
-            rec[k] = int(rec[k])
-        for k in ("sigma", "spectral", "max", "t_err", "beta_star", "p_2inf", "v_max"):
-            rec[k] = float(rec[k])
-        rec["draw"] = rec["input"]          # one independent draw per input there
-        out.append(rec)
-    return out, out[0]["n"]
-
-
 # ============================================================ run
 def run(cfg: AuditConfig, *, log: Callable[[str], None] = lambda msg: None) -> dict:
     """All checks; returns the ``audit.json`` dict (``table``: one row per check,
-    ``passed``: no FAIL). ``log`` gets a line per phase; progress goes to stderr."""
+    ``passed``: no FAIL, ``counts``: passed / failed / skipped rows). ``log`` gets a
+    line per phase; progress goes to stderr."""
     cfg.check()
     with intra_op_threads(cfg.threads), torch.no_grad():
         return _run(cfg, log)
@@ -308,6 +300,10 @@ def _run(cfg: AuditConfig, log) -> dict:
     sigmas = [float(sig_all[h]) for h in heads]
     log(f"audit: delta={cfg.delta}, matrix checks n={cfg.n_matrix} x {cfg.trials} trials, heads {heads} "
         f"(sigma {[round(x, 3) for x in sigmas]}), s {list(cfg.samples)}")
+    # said before the matrix trials, so a missing model is news now, not after them
+    skip = "not asked for (--skip-output)" if cfg.skip_output else "; ".join(missing_prerequisites(cfg))
+    if skip:
+        log(f"audit: Theorem 2.2 on real Q/K/V will be SKIPPED: {skip}")
     bar = tqdm(total=cfg.trials, desc="audit: matrix trials", unit="trial", file=sys.stderr, mininterval=2.0)
     mrows = matrix_trials(cfg, sigmas, progress=bar.update)
     bar.close()
@@ -317,32 +313,52 @@ def _run(cfg: AuditConfig, log) -> dict:
     result = dict(config=dataclasses.asdict(cfg), heads=heads, sigmas=sigmas, matrix=mdetails, output=None,
                   output_from_convergence=None)
     t_matrix = time.time() - t0
-    if not cfg.skip_output:
-        try:
-            log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.inputs} inputs x {cfg.draws} draws, "
-                f"layers {list(cfg.layers)}, s {list(cfg.output_samples)}")
-            bar = tqdm(total=cfg.inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
-                       mininterval=2.0)
-            orows, meta = output_trials(cfg, progress=bar.update)
-            bar.close()
-            otable, odetails = output_checks(orows, cfg.n_output, cfg.delta)
-            table += otable
-            result["output"] = dict(meta=meta, heads=odetails)
-        except InputsNotAvailable as e:      # no model or corpus here: the matrix checks still stand
-            bar.close()
-            table.append(dict(check="Thm 2.2 output bound", subject="all heads", statistic="", bound="", trials=0,
-                              violations="", allowed="", result="SKIP", note=str(e)))
-    if cfg.convergence_rows:
-        got = _convergence_rows(Path(cfg.convergence_rows))
-        if got is not None:
-            crow, n_c = got
-            ctable, cdetails = output_checks(crow, n_c, cfg.delta, label=f" [convergence run, n={n_c}]")
-            table += ctable
-            result["output_from_convergence"] = dict(path=str(cfg.convergence_rows), heads=cdetails)
+    table += [skipped_row("Thm 2.2 output bound", skip)] if skip else _real_qkv_checks(cfg, result, log, tqdm)
+    table += _reused_checks(cfg, result, log)
     result["table"] = table
-    result["passed"] = all(r["result"] != "FAIL" for r in table)
+    result["counts"] = {k: sum(r["result"] == v for r in table)
+                        for k, v in (("passed", "PASS"), ("failed", "FAIL"), ("skipped", "SKIPPED"))}
+    result["passed"] = result["counts"]["failed"] == 0
     result["timing"] = dict(total_s=time.time() - t0, matrix_s=t_matrix)
     return result
+
+
+def _real_qkv_checks(cfg: AuditConfig, result: dict, log, tqdm) -> List[dict]:
+    """Theorem 2.2 on Q/K/V computed by this run (or one SKIPPED row saying why not)."""
+    check = "Thm 2.2 output bound"
+    log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.inputs} inputs x {cfg.draws} draws, "
+        f"layers {list(cfg.layers)}, s {list(cfg.output_samples)}")
+    bar = tqdm(total=cfg.inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
+               mininterval=2.0)
+    try:
+        orows, meta = output_trials(cfg, progress=bar.update)
+    except InputsNotAvailable as e:      # removed since the check above: the matrix checks still stand
+        return [skipped_row(check, str(e))]
+    finally:
+        bar.close()
+    otable, odetails = output_checks(orows, cfg.n_output, cfg.delta)
+    result["output"] = dict(meta=meta, heads=odetails)
+    smin = math.log(cfg.n_output / cfg.delta)
+    return otable or [skipped_row(check, f"no --output-samples s >= log(n/delta) = {smin:.1f}")]
+
+
+def _reused_checks(cfg: AuditConfig, result: dict, log) -> List[dict]:
+    """Theorem 2.2 on a convergence run's ``rows.csv`` (labelled as reused), or SKIPPED."""
+    check = "Thm 2.2 output bound [convergence run]"
+    if not cfg.convergence_rows:
+        return [skipped_row(check, "not asked for (--convergence-rows '')")]
+    path = next((p for p in AUTO_ROWS if Path(p).is_file()), None) if cfg.convergence_rows == "auto" \
+        else cfg.convergence_rows
+    got = read_convergence_rows(Path(path)) if path else None
+    if got is None:
+        return [skipped_row(check, f"no convergence rows ({path or ' or '.join(AUTO_ROWS)} missing or empty): "
+                                "run `poslsh convergence` first")]
+    source = reused_source(path)
+    log(f"audit: Theorem 2.2 on the rows of a convergence run {source}")
+    crow, n_c = got
+    ctable, cdetails = output_checks(crow, n_c, cfg.delta, label=f" [convergence run, n={n_c}]", source=source)
+    result["output_from_convergence"] = dict(path=str(path), source=source, heads=cdetails)
+    return ctable or [skipped_row(check, f"{path} has no s >= log(n/delta)")]
 
 
 def write(result: dict, out) -> Path:
@@ -354,24 +370,13 @@ def write(result: dict, out) -> Path:
     return out
 
 
-def format_table(table: List[dict], *, markdown: bool = False) -> str:
-    """The check table as aligned plain text, or as a Markdown table."""
-    cells = [[str(r.get(c, "")) for c in TABLE_FIELDS] for r in table]
-    if markdown:
-        return markdown_table(TABLE_FIELDS, [[c.replace("|", "\\|") for c in row] for row in cells])
-    width = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(TABLE_FIELDS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(TABLE_FIELDS, width)), "  ".join("-" * w for w in width)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in cells]
-    return "\n".join(lines)
-
-
 def main(cfg: AuditConfig) -> int:
     """Run, write and print the table; exit code 1 when a check FAILs."""
     result = run(cfg, log=print)
     out = write(result, cfg.out)
     print(format_table(result["table"]))
-    print(f"audit: {'all checks passed' if result['passed'] else 'SOME CHECKS FAILED'} "
-          f"({result['timing']['total_s']:.0f} s) -> {out}")
+    ref = " (the committed reference results: review with git diff)" if is_reference(out) else ""
+    print(f"{summary_line(result)} ({result['timing']['total_s']:.0f} s) -> {out}{ref}")
     return 0 if result["passed"] else 1
 
 

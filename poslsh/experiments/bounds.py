@@ -21,6 +21,7 @@ from ..alibi import alibi_sigmas
 from ..io import atomic_write_text, csv_text
 from ..partitions import sample_partitions
 from .command import Command, ConfigError
+from .model_inputs import check_out_dir
 
 __all__ = ["BoundsConfig", "BoundsResult", "PRESETS", "theory_rows", "run", "write", "main", "format_table",
            "COMMANDS"]
@@ -52,6 +53,8 @@ class BoundsConfig:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
         if self.eps <= 0:
             raise ConfigError(f"--eps: must be > 0, got {self.eps}")
+        if self.out is not None:
+            check_out_dir("--out", self.out)
 
 
 PRESETS: Dict[str, BoundsConfig] = {"default": BoundsConfig()}

@@ -27,10 +27,15 @@ How it is computed (and why it is fast enough on two CPU cores)
 * **Q/K/V** come from :func:`poslsh.analysis.qkv.capture_qkv`; the forward pass
   stops after the last requested layer.
 
-Outputs (``results/convergence/``, ``results/convergence/quick/`` for ``--quick``):
-``rows.csv`` (one row per input, layer, head, s), ``summary.csv`` (mean and std
-over inputs), ``convergence.json`` (config, summary, fitted slopes, bounds,
-cross-checks, timings) and ``convergence.png`` (the Figure-2 analog). Per-input
+Every prerequisite (model package, GGUF readers, corpus) is checked before any
+work, and a missing one stops the run with one line saying what to install.
+
+Outputs (``outputs/convergence/``, ``outputs/convergence/quick/`` for ``--quick``;
+git-ignored, so a run never touches the committed reference results, which
+``--out results/convergence`` refreshes on purpose): ``rows.csv`` (one row per
+input, layer, head, s), ``summary.csv`` (mean and std over inputs),
+``convergence.json`` (config, summary, fitted slopes, bounds, cross-checks,
+timings) and ``convergence.png`` (the Figure-2 analog). Per-input
 results are checkpointed in ``checkpoints/`` so an interrupted run resumes.
 """
 from __future__ import annotations
@@ -56,7 +61,8 @@ from ..partitions import sample_partitions
 from ..seeding import stable_seed
 from ..threads import intra_op_threads
 from .command import Command, ConfigError
-from .model_inputs import ModelInputs, input_segments, load_model, query_heads
+from .model_inputs import (ModelInputs, check_out_dir, check_prerequisites, input_segments, is_reference,
+                           load_model, query_heads)
 
 __all__ = ["ConvergenceConfig", "ConvergenceResult", "PRESETS", "run", "write", "main", "summarize", "slopes",
            "bounds_table", "format_report", "COMMANDS"]
@@ -72,7 +78,7 @@ class ConvergenceConfig(ModelInputs):
     samples: Tuple[int, ...] = (1, 10, 100, 1000, 10000)  # sample sizes s (nested prefixes of one draw)
     delta: float = 0.05                                 # confidence parameter of the eq. (3) curve
     bound_c: Annotated[float, tyro.conf.arg(aliases=("--bound-C",))] = 1.0  # universal constant C drawn in eq. (1)
-    out: str = "results/convergence"                    # output directory
+    out: str = "outputs/convergence"                    # output directory (results/convergence: the reference)
     resume: bool = True                                 # reuse matching checkpoints of a previous run
     cross_check: bool = True                            # compare with the library on input 0
     plot: bool = True                                   # draw convergence.png (else CSV/JSON only)
@@ -94,12 +100,12 @@ class ConvergenceConfig(ModelInputs):
             raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
+        check_out_dir("--out", self.out)
 
 
 PRESETS: Dict[str, ConvergenceConfig] = {
     "default": ConvergenceConfig(),
-    # about a minute on two cores
-    "quick": ConvergenceConfig(n=1024, num_inputs=4, samples=(1, 10, 100, 1000), out="results/convergence/quick"),
+    "quick": ConvergenceConfig(n=1024, num_inputs=4, samples=(1, 10, 100, 1000), out="outputs/convergence/quick"),
 }
 
 
@@ -162,8 +168,11 @@ def _resumed(path: Path, fingerprint: str, source: str) -> Optional[dict]:
 
 def run(cfg: ConvergenceConfig, *, log: Callable[[str], None] = lambda msg: None) -> ConvergenceResult:
     """Run (or resume from ``cfg.out/checkpoints``) the experiment; ``log`` gets one
-    line describing the run. Progress goes to stderr."""
+    line describing the run. Progress goes to stderr. Raises
+    :class:`~poslsh.experiments.model_inputs.InputsNotAvailable` before any work when
+    the model or the corpus is missing."""
     cfg.check()
+    check_prerequisites(cfg)     # all of them, before a minute of dequantizing
     with intra_op_threads(cfg.threads), torch.no_grad():
         return _run(cfg, log)
 
@@ -274,8 +283,9 @@ def format_report(report: dict) -> str:
 
 def main(cfg: ConvergenceConfig) -> int:
     result = run(cfg, log=print)
-    write(result, cfg.out, plot=cfg.plot)
+    out = write(result, cfg.out, plot=cfg.plot)
     print(format_report(result.report))
+    print(f"wrote {out}" + (" (the committed reference results: review with git diff)" if is_reference(out) else ""))
     return 0
 
 

