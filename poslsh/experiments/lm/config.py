@@ -64,6 +64,7 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     amp: str = "auto"                 # auto | bf16 | off: bf16 autocast on CUDA unless off
     threads: int = 0                  # torch intra-op threads (0 = torch default)
+    context_parallel: int = 1         # ranks splitting each sequence (torchrun; poslsh/fixed_blocks): mesh data x this
     runs_dir: str = "runs"            # runs live in <runs_dir>/<preset>/<method>/seed<k>/
     cache_dir: str = ""               # token/tokenizer cache ("" = ~/.cache/poslsh or $POSLSH_CACHE)
     methods: Tuple[str, ...] = METHODS  # methods `poslsh table` runs
@@ -82,6 +83,7 @@ class TrainCommand(TrainConfig):
 class EvalCommand(TrainConfig):
     checkpoint: Optional[str] = None  # checkpoint dir, run dir or checkpoints/latest (default: this run's latest)
     progress: bool = True             # print each length's result as it finishes
+    streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
 
 
 @dataclass
@@ -207,6 +209,11 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"lr must be > 0, got {cfg.lr}")
     if cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
+    if not 1 <= cfg.context_parallel <= cfg.seq_len:
+        raise ConfigError(f"context_parallel must be between 1 and seq_len {cfg.seq_len}, got {cfg.context_parallel}")
+    if cfg.context_parallel > 1 and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
+        raise ConfigError(f"context_parallel: method {cfg.method} needs every earlier key (ring attention); "
+                          "context parallelism runs poslsh-s<k> and fixed_blocks")
     check_directory("runs_dir", cfg.runs_dir)
 
 

@@ -5,7 +5,11 @@ uninterrupted one bit for bit and DDP ranks split one global batch: the batch of
 step ``t`` is :func:`poslsh.data.tokens.batch_windows` of ``(seed, t)``, the
 partitions come from ``(seed, t, layer)`` (the step is passed to the model as
 ``poslsh_step`` and reaches the attention functions), dropout from
-``(seed, t, rank)``. Runs under ``torchrun`` use DDP.
+``(seed, t, rank)``. Runs under ``torchrun`` use DDP; with ``context_parallel = P``
+the ranks form a 2-D device mesh (data x context): the ``P`` ranks of a context
+group share each of their sequences, one contiguous shard each
+(:mod:`poslsh.distributed`, passed to the model as ``poslsh_context``), and DDP
+all-reduces over all ranks.
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ...data.tokens import batch_windows
+from ...distributed import ContextShard, shard_range
 from ...io import atomic_write_text
 from ...seeding import stable_seed
 from ...threads import intra_op_threads
@@ -91,21 +96,51 @@ def start_run(cfg: TrainConfig, params, optimizer, dist: Dist, resume: bool, ove
     return state
 
 
+# -------------------------------------------------------------- data x context
+class Mesh(NamedTuple):
+    """This rank's place: data-parallel ``rank`` of ``world`` replicas, and (context
+    parallelism) its shard ``tokens`` of every sequence with the model's ``context``."""
+
+    rank: int
+    world: int
+    tokens: slice
+    context: Optional[ContextShard] = None
+
+
+def parallel_mesh(cfg: TrainConfig, dist: Dist) -> Mesh:
+    """The world as a ``(world / P) x P`` device mesh ("data", "context"), ``P = cfg.context_parallel``;
+    a context group's ranks are adjacent (one node's fast links carry the halos)."""
+    P = cfg.context_parallel
+    if P == 1:
+        return Mesh(dist.rank, dist.world, slice(0, cfg.seq_len))
+    if dist.world % P:
+        raise ConfigError(f"context_parallel {P} must divide the world size {dist.world}")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(dist.device.type, (dist.world // P, P), mesh_dim_names=("data", "context"))
+    start, end = shard_range(cfg.seq_len, mesh.get_local_rank("context"), P)
+    return Mesh(mesh.get_local_rank("data"), dist.world // P, slice(start, end),
+                ContextShard(mesh.get_group("context"), start, cfg.seq_len))
+
+
 # ------------------------------------------------------------------- one step
 def train_step(model, optimizer, scheduler, params, batch: torch.Tensor, step: int, cfg: TrainConfig,
-               dist: Dist, micro: int) -> float:
+               dist: Dist, micro: int, mesh: Optional[Mesh] = None) -> float:
     """One optimizer step on this rank's rows ``batch`` (``[rows, seq_len + 1]`` token ids),
-    ``micro`` rows per forward pass. Returns the mean train loss per token over all ranks."""
+    ``micro`` rows per forward pass; with context parallelism (``mesh``) on this rank's shard
+    of them, whose targets run one token past it. Returns the mean train loss per token over all ranks."""
     torch.manual_seed(stable_seed("dropout", cfg.seed, step, dist.rank))   # LoRA dropout
-    n_tok = batch.shape[0] * cfg.seq_len
+    mesh = mesh or Mesh(dist.rank, dist.world, slice(0, cfg.seq_len))
+    extra = {} if mesh.context is None else {"poslsh_context": mesh.context}
+    # DDP averages over all ranks, data x context: scaled so the sum is the global mean.
+    n_tok = batch.shape[0] * cfg.seq_len / cfg.context_parallel
     loss_total = 0.0
     for lo in range(0, batch.shape[0], micro):
         last = lo + micro >= batch.shape[0]
         # DDP all-reduces gradients on the last micro-batch only.
         with nullcontext() if (last or dist.world == 1) else model.no_sync():
-            x, y = batch[lo: lo + micro, :-1], batch[lo: lo + micro, 1:]
+            x, y = batch[lo: lo + micro, :-1][:, mesh.tokens], batch[lo: lo + micro, 1:][:, mesh.tokens]
             with autocast_for(cfg, dist.device):
-                logits = model(input_ids=x, use_cache=False, poslsh_step=step).logits
+                logits = model(input_ids=x, use_cache=False, poslsh_step=step, **extra).logits
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
             (loss_sum / n_tok).backward()
         loss_total += float(loss_sum.detach())
@@ -177,9 +212,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
 
 def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, evaluate: bool) -> dict:
     dist = Dist(cfg.device)
-    if cfg.batch_size % dist.world:
-        raise ConfigError(f"batch_size {cfg.batch_size} must be divisible by the world size {dist.world}")
-    per_rank = cfg.batch_size // dist.world
+    mesh = parallel_mesh(cfg, dist)
+    if cfg.batch_size % mesh.world:
+        raise ConfigError(f"batch_size {cfg.batch_size} must be divisible by the data-parallel size {mesh.world}")
+    per_rank = cfg.batch_size // mesh.world
     micro = min(cfg.micro_batch_size, per_rank)
     if per_rank % micro:
         raise ConfigError(f"micro_batch_size {micro} must divide the per-rank batch {per_rank}")
@@ -194,7 +230,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
     if dist.world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-    rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)   # this rank's share of the global batch
+    rows = slice(mesh.rank * per_rank, (mesh.rank + 1) * per_rank)   # this replica's share of the global batch
     kill_after = int(os.environ.get("POSLSH_KILL_AFTER_STEP", "-1"))   # test hook: simulate a crash
 
     def checkpoint(step: int) -> None:
@@ -210,7 +246,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
             lr = optimizer.param_groups[0]["lr"]
             batch = torch.from_numpy(batch_windows(data.splits["train"], cfg.seq_len, step, cfg.batch_size,
                                                    cfg.seed, rows)).to(dist.device)
-            loss = train_step(ddp_model, optimizer, scheduler, params, batch, step, cfg, dist, micro)
+            loss = train_step(ddp_model, optimizer, scheduler, params, batch, step, cfg, dist, micro, mesh)
             state.elapsed_s += time.perf_counter() - t0
             state.history.append([step + 1, round(loss, 5)])
             meter.update(step, loss, lr)

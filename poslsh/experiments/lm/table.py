@@ -182,7 +182,8 @@ def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
 
 # ------------------------------------------------------------------------ runs
 # Fields that do not change what a run computes (where it lives, how it is scheduled).
-NOT_RESULTS = ("methods", "seeds", "threads", "runs_dir", "cache_dir", "ckpt_interval", "keep_checkpoints", "device")
+NOT_RESULTS = ("methods", "seeds", "threads", "runs_dir", "cache_dir", "ckpt_interval", "keep_checkpoints", "device",
+               "context_parallel")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
