@@ -42,9 +42,13 @@ from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
 from .registry import register_backend
 
-# Score elements (batch x tiles x T x R) per chunk: bounds transient memory
-# (a few such buffers live at once) while keeping the batched matmuls large.
-CHUNK_ELEMENTS = 1 << 21
+# Score elements (batch x tiles x T x R) per chunk: bounds transient memory (a few
+# such buffers live at once, ~16 MiB each in float32) while keeping the batched matmuls
+# large. Fewer, larger chunks also mean fewer parallel regions per call: on a CPU shared
+# with other processes every region's barrier can wait a scheduler time slice for a
+# descheduled thread, so at n = 16384 (H = 4, s = 10, 2 threads, load ~7 on 2 cores)
+# 2^22 took 1.8 s per forward against 3.6 s for 2^21 (benchmarks/bench_cpu.py --busy).
+CHUNK_ELEMENTS = 1 << 22
 
 
 class Span(NamedTuple):
