@@ -24,7 +24,7 @@ AVAILABLE = triton is not None
 
 if AVAILABLE:
     from ..registry import register_backend
-    from ._launch import MAX_HEAD_DIM, SUPPORTED_DTYPES
+    from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES, version_problem
     from ._ops import attention, triton_attention_bwd, triton_attention_fwd
 
     __all__ += ["attention", "triton_attention_fwd", "triton_attention_bwd", "is_available"]
@@ -40,5 +40,7 @@ if AVAILABLE:
     def _backend(q, k, v, partitions, shape, causal, scale):
         return attention(q, k, v, partitions, causal=causal, scale=scale)
 
-    # "auto" picks the kernel for CUDA tensors only: on CPU it runs under the interpreter (tests).
-    register_backend("triton", _backend, is_available, preferred=lambda q: q.is_cuda, priority=10)
+    # "auto" picks the kernel for CUDA tensors only (on CPU it runs under the interpreter: tests),
+    # and only with a triton it can run on; backend="triton" on an older one raises the reason.
+    _TOO_OLD = version_problem() is not None
+    register_backend("triton", _backend, is_available, preferred=lambda q: q.is_cuda and not _TOO_OLD, priority=10)

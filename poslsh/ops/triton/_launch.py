@@ -1,25 +1,31 @@
-"""Kernel launchers: tile configurations, autotuning, grids, input checks.
+"""Kernel launchers: the plan (one kernel, cached), grids, autotuning, input checks.
 
 The kernels of :mod:`._kernels` are loaded in one of two modes, decided per call:
 
 * compiled (``triton.jit``) for CUDA tensors, with ``triton.autotune`` over a
-  short list of H100/H200-sized configurations (keyed on ``log2 n``, ``s``, the
-  head dims, causality, dtype and TMA use); ``POSLSH_TRITON_AUTOTUNE=0`` takes
-  the first configuration of each list instead (no tuning: a fast first call);
+  short list of configurations (:mod:`._config`: keyed on ``log2 n``, the head
+  dims, causality, dtype and TMA use; pruned by shared memory before compiling);
+  ``POSLSH_TRITON_AUTOTUNE=0`` takes the first configuration that fits instead;
 * interpreted (``TRITON_INTERPRET=1`` semantics) for CPU tensors, or for any
-  tensor while the environment variable is set: fixed small tiles, used by the
-  CPU tests.
+  tensor while the environment variable is set: fixed small tiles (tests).
 
 Triton picks interpreter or compiler when a function is *decorated*, so the
 kernel module is executed once per mode (with the variable set accordingly) and
 kept; nothing global is left changed.
+
+Launches per call on a GPU: forward 2 (one-hot programs, label-compare programs;
++1 the first time a plan is built), backward 5 (``delta``, dk/dv x 2, dq x 2); one
+per kernel under the interpreter or with ``POSLSH_TRITON_SPLIT=0``. Every launch goes through :func:`_launch`, which counts
+them in :data:`LAUNCHES` and pins CUDA launches to the tensors' device.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import threading
+from collections import Counter
 from types import ModuleType
 from typing import Dict, Optional, Tuple
 
@@ -28,20 +34,34 @@ from torch import Tensor
 
 import triton
 
-from . import _plan
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-MAX_SAMPLES = 128     # the per-sample loop is unrolled at compile time
+from . import _config, _plan
+from ._config import MAX_HEAD_DIM, R_MAX, SAMPLE_CHUNK, SUPPORTED_DTYPES  # noqa: F401
 
 _lock = threading.Lock()
 _modules: Dict[bool, ModuleType] = {}
 _tuned: Dict[str, object] = {}
+LAUNCHES: Counter = Counter()          # kernel name -> launches (this process)
 
 # Tile sizes used under the interpreter (tests); multiples of 16, >= 16 (tl.dot).
 INTERPRET_BLOCKS = {"fwd": (32, 32), "dkdv": (32, 32), "dq": (32, 32)}
 # None: TMA tensor descriptors when possible (see use_tma); True/False: forced (tests).
 FORCE_TMA = None
+# Blocks per program tile up to which the count is the one-hot MMA (tests lower it to force label compares).
+ONEHOT_MAX = {"r_max": R_MAX}
+# Two launches per kernel, one-hot programs then label-compare programs (each kernel holds one
+# count method: fewer registers, see docs/triton.md), or one launch that picks per program.
+# None: split when compiled (or POSLSH_TRITON_SPLIT=0/1), one launch under the interpreter.
+SPLIT = None
+
+
+def split_paths(interpret: bool) -> Tuple[int, ...]:
+    """``PATH`` values to launch: ``(1, 2)`` (one-hot, compares) or ``(0,)`` (both in one)."""
+    split = SPLIT
+    if split is None:
+        env = os.environ.get("POSLSH_TRITON_SPLIT")
+        split = (env != "0") if env is not None else not interpret
+    return (1, 2) if split else (0,)
+PLAN_BLOCK = 1024
 
 
 def interpret_requested() -> bool:
@@ -78,54 +98,25 @@ def kernels(interpret: bool) -> ModuleType:
     return mod
 
 
+def _device_guard(t: Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _launch(name: str, kernel, grid, args, meta: dict, device_tensor: Tensor) -> None:
+    """Launch ``kernel[grid](*args, **meta)`` on ``device_tensor``'s device; count it."""
+    with _device_guard(device_tensor):
+        kernel[grid](*args, **meta)
+    LAUNCHES[name] += 1
+
+
 # ------------------------------------------------------------------ autotuning
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
-
-# Chosen from compile-only checks for sm_90 (bf16, d=128, s=10, causal, TMA loads),
-# keeping the tiles whose register use spills little (<= ~400 bytes); see docs/triton.md.
-# The first entry of each list is the default when autotuning is off.
-# Forward: BLOCK_M query rows per program, BLOCK_N keys per step.
-FWD_CONFIGS = [
-    _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2),
-]
-# dk/dv: BLOCK_N keys per program, BLOCK_M queries per step.
-DKDV_CONFIGS = [
-    _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 4, 3),
-]
-# dq: BLOCK_M queries per program, BLOCK_N keys per step.
-DQ_CONFIGS = [
-    _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3), _cfg(64, 32, 4, 3),
-]
-_TUNE_KEY = ["N_KEY", "S", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA"]
-
-
-def _prune(configs, named_args, **kwargs):
-    """Drop tiles whose shared memory / registers cannot fit large head dims."""
-    hd = max(int(named_args.get("HEAD_DIM", kwargs.get("HEAD_DIM", 64))),
-             int(named_args.get("HEAD_DV", kwargs.get("HEAD_DV", 64))))
-    fp32 = named_args.get("DOT_PREC", kwargs.get("DOT_PREC", "tf32")) != "tf32"
-    keep = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        limit = 128 * 128 if hd <= 64 else (128 * 64 if hd <= 128 else 64 * 64)
-        if fp32:
-            limit //= 2
-        if bm * bn <= limit:
-            keep.append(c)
-    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-
-
 def _autotuned(name: str):
     fn = _tuned.get(name)
     if fn is None:
         mod = kernels(False)
-        kernel, configs = {"fwd": (mod._fwd_kernel, FWD_CONFIGS),
-                           "dkdv": (mod._bwd_dkdv_kernel, DKDV_CONFIGS),
-                           "dq": (mod._bwd_dq_kernel, DQ_CONFIGS)}[name]
-        fn = triton.autotune(configs=configs, key=_TUNE_KEY,
-                             prune_configs_by={"early_config_prune": _prune})(kernel)
+        kernel = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
+        fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEY,
+                             prune_configs_by={"early_config_prune": _config.pruner(name)})(kernel)
         _tuned[name] = fn
     return fn
 
@@ -135,10 +126,10 @@ def _check_blocks(bm: int, bn: int) -> None:
         raise ValueError(f"tile sizes must be powers of two >= 16, got {(bm, bn)}")
 
 
-def _kernel_and_blocks(name: str, interpret: bool, blocks: Optional[Tuple[int, int]]):
+def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, int]], common: dict, q: Tensor):
     """``(kernel, [meta, ...])``: the kernel and the launch options to try in order
-    (explicit tiles under the interpreter or with ``blocks``; the configuration list
-    when autotuning is off; the autotuner, with no options, otherwise)."""
+    (explicit tiles under the interpreter or with ``blocks``; the pruned configuration
+    list when autotuning is off; the autotuner, with no options, otherwise)."""
     mod = kernels(interpret)
     raw = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
     if interpret or blocks is not None:
@@ -149,27 +140,24 @@ def _kernel_and_blocks(name: str, interpret: bool, blocks: Optional[Tuple[int, i
             meta.update(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=2)
         return raw, [meta]
     if os.environ.get("POSLSH_TRITON_AUTOTUNE", "1") == "0":
-        configs = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}[name]
+        configs = _config.prune(name, _config.CONFIGS[name], {"Q": q}, **common)
         return raw, [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
     return _autotuned(name), [{}]
 
 
-def _run(name: str, interpret: bool, blocks, grid, args, common: dict) -> None:
-    """Launch kernel ``name``; without autotuning, the first configuration (after the
-    pruning rule) that fits the device's shared memory / registers."""
-    kernel, metas = _kernel_and_blocks(name, interpret, blocks)
-    if len(metas) > 1:
-        keep = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in _prune(
-            [triton.Config({"BLOCK_M": m["BLOCK_M"], "BLOCK_N": m["BLOCK_N"]}) for m in metas], common)}
-        metas = [m for m in metas if (m["BLOCK_M"], m["BLOCK_N"]) in keep]
+def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor) -> None:
+    """Launch kernel ``name`` once per count path; without autotuning, the first
+    configuration that fits."""
+    kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q)
     from triton.runtime.errors import OutOfResources
-    for i, meta in enumerate(metas):
-        try:
-            kernel[grid](*args, **meta, **common)
-            return
-        except OutOfResources:
-            if i == len(metas) - 1:
-                raise
+    for path in split_paths(interpret):
+        for i, meta in enumerate(metas):
+            try:
+                _launch(name, kernel, grid, args, dict(meta, PATH=path, **common), q)
+                break
+            except OutOfResources:
+                if i == len(metas) - 1:
+                    raise
 
 
 # ------------------------------------------------------------------ helpers
@@ -187,6 +175,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
     """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
+    problem = _config.version_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D [batch, heads, seqlen, head_dim]")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
@@ -206,10 +197,12 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tenso
         raise ValueError(f"partitions must be [Hq={Hq}, s], got widths {tuple(widths.shape)}, "
                          f"offsets {tuple(offsets.shape)}")
     S = widths.shape[1]
-    if not 1 <= S <= MAX_SAMPLES:
-        raise ValueError(f"the triton backend supports 1..{MAX_SAMPLES} samples per head, got {S}")
+    if S < 1 or Hq * S * n >= 2 ** 31 * 16:
+        raise ValueError(f"need 1 <= s and a plan of H * s * n < 2^35 labels, got H={Hq}, s={S}, n={n}")
     if widths.device != q.device or offsets.device != q.device or k.device != q.device or v.device != q.device:
         raise ValueError("q, k, v and the partitions must be on one device")
+    if B * Hq * triton.cdiv(n, 16) >= 2 ** 31:
+        raise ValueError(f"batch x heads x tiles must stay below 2^31 (one grid axis), got B={B}, H={Hq}, n={n}")
     return B, Hq, Hkv, n, d, dv, S
 
 
@@ -256,28 +249,43 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _plan_for(widths: Tensor, offsets: Tensor, n: int, group: int, interpret: bool):
-    """``_plan.plan``, with the ``[H, s, n]`` labels from one Triton kernel when compiled
-    (the torch version makes several float64 passes over ``H s n`` elements)."""
-    if interpret:
-        return _plan.plan(widths, offsets, n, group)
+# ------------------------------------------------------------------ the plan
+def build_plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> _plan.Plan:
+    """The plan (:mod:`._plan`) from one launch of ``_plan_kernel`` (interpreted on CPU)."""
     H, S = widths.shape
-    ids = torch.empty(H, S, n, dtype=torch.int32, device=widths.device)
-    BLOCK = 1024
-    kernels(False)._ids_kernel[(triton.cdiv(n, BLOCK), H * S)](
-        widths.to(torch.float64).contiguous(), offsets.to(torch.float64).contiguous(), ids, n, BLOCK=BLOCK)
-    return ids, _plan.granule_bounds(widths, offsets, n), _plan.head_order(widths, n, group)
+    dev = widths.device
+    n_gran = triton.cdiv(n, _plan.GRANULE)
+    ids = torch.empty(H, S, n, dtype=torch.int32, device=dev)
+    gran = torch.empty(2, H, S, n_gran, dtype=torch.int32, device=dev)
+    order = torch.empty(H + H // group, dtype=torch.int32, device=dev)
+    n_blk = triton.cdiv(n, PLAN_BLOCK)
+    w = widths.to(torch.float64).contiguous()
+    c = offsets.to(torch.float64).contiguous()
+    mod = kernels(use_interpreter(w))
+    _launch("plan", mod._plan_kernel, (H * S * n_blk + 1,),
+            (w, c, ids, gran, order, n, n_gran, H, S, group, n_blk),
+            dict(BLOCK=PLAN_BLOCK, H_PAD=_pow2(H, 2)), w)
+    return _plan.Plan(ids, gran, order)
 
 
-def _meta(q: Tensor, n: int, d: int, dv: int, S: int, causal: bool, tma: bool, interpret: bool):
+def get_plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> _plan.Plan:
+    """The cached plan of these partitions (built on the first call: one launch)."""
+    return _plan.cached(widths, offsets, n, group, lambda: build_plan(widths, offsets, n, group))
+
+
+def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret: bool) -> dict:
     if tma and not interpret:
         _ensure_allocator()
-    return dict(S=S, S_PAD=_pow2(S, 2), CAUSAL=bool(causal), D=d, DV=dv,
-                HEAD_DIM=_pow2(d), HEAD_DV=_pow2(dv), DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma))
+    return dict(CAUSAL=bool(causal), D=d, DV=dv, HEAD_DIM=_pow2(d), HEAD_DV=_pow2(dv),
+                DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma), R_MAX=ONEHOT_MAX["r_max"], SC=SAMPLE_CHUNK)
 
 
 def _n_key(n: int) -> int:
     return max(0, int(n) - 1).bit_length()
+
+
+def _plan_args(p: _plan.Plan, n: int):
+    return (n, p.gran.shape[-1], p.gran[0].numel())
 
 
 # ------------------------------------------------------------------ forward
@@ -288,18 +296,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, ca
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     G = Hq // Hkv
     interpret = use_interpreter(q)
-    ids, gran, order = _plan_for(widths, offsets, n, G, interpret)
     out = torch.empty(B, Hq, n, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     if B == 0:
         return out, lse
-    common = _meta(q, n, d, dv, S, causal, use_tma(interpret, q, k, v), interpret)
-    grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]), B * Hq)  # noqa: E731
+    p = get_plan(widths, offsets, n, G)
+    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret)
+    grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
-         (q, k, v, ids, gran, order, out, lse,
+         (q, k, v, p.ids, p.gran, p.order, out, lse,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-          n, gran.shape[-1], gran[0].numel(), Hq, G, scale * math.log2(math.e), math.log2(S), _n_key(n)), common)
+          *_plan_args(p, n), B, Hq, G, S, scale * math.log2(math.e), math.log2(S), _n_key(n)), common, q)
     return out, lse
 
 
@@ -314,36 +322,37 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     lse = lse.contiguous()
     G = Hq // Hkv
     interpret = use_interpreter(q)
-    ids, gran, order = _plan_for(widths, offsets, n, G, interpret)
     dq = torch.empty(B, Hq, n, d, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, n, d, dtype=k.dtype, device=q.device)
     dvv = torch.empty(B, Hkv, n, dv, dtype=v.dtype, device=q.device)
     if B == 0:
         return dq, dk, dvv
+    p = get_plan(widths, offsets, n, G)
     mod = kernels(interpret)
     delta = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     PRE = 64
-    mod._bwd_pre_kernel[(triton.cdiv(n, PRE), B * Hq)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), n, Hq,
-        DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE)
-    common = _meta(q, n, d, dv, S, causal, use_tma(interpret, q, k, v, dout), interpret)
+    nt_pre = triton.cdiv(n, PRE)
+    _launch("bwd_pre", mod._bwd_pre_kernel, (nt_pre * B * Hq,),
+            (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq),
+            dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE), q)
+    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 
-    grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]), B * Hkv)  # noqa: E731
+    grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _run("dkdv", interpret, blocks.get("dkdv"), grid,
-         (q, k, v, dout, lse, delta, ids, gran, order, dk, dvv,
+         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, dk, dvv,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-          n, gran.shape[-1], gran[0].numel(), Hq, Hkv, G, qk_scale, scale, math.log2(S), _n_key(n)), common)
+          *_plan_args(p, n), B, Hq, Hkv, G, S, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
 
-    grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]), B * Hq)  # noqa: E731
+    grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("dq", interpret, blocks.get("dq"), grid,
-         (q, k, v, dout, lse, delta, ids, gran, order, dq,
+         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, dq,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dq.stride(0), dq.stride(1), dq.stride(2),
-          n, gran.shape[-1], gran[0].numel(), Hq, G, qk_scale, scale, math.log2(S), _n_key(n)), common)
+          *_plan_args(p, n), B, Hq, G, S, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
     return dq, dk, dvv

@@ -4,8 +4,9 @@
 * ``poslsh::triton_attention_bwd(dout, q, k, v, out, lse, widths, offsets, causal, scale) -> (dq, dk, dv)``
 
 Both take the partitions as their two ``[H, s]`` float64 tensors (bin widths and
-offsets), never a Python object, and derive everything else inside (see
-:mod:`._plan`: elementwise, no host sync). Each has a fake (meta) implementation
+offsets), never a Python object, and derive everything else inside: the plan
+(:mod:`._plan`) is one kernel launch, cached per partitions and shared by forward
+and backward; no host synchronisation. Each has a fake (meta) implementation
 with the exact output shapes, dtypes and (contiguous) strides, and the forward
 op has an autograd formula that calls the backward op, so ``torch.compile``
 traces a model that uses them without graph breaks, and AOT autograd sees the
@@ -67,6 +68,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, widths, offsets = ctx.saved_tensors
+    if torch.is_grad_enabled():   # create_graph=True: the kernels' gradients are not differentiable
+        raise RuntimeError("poslsh_attention(backend='triton') does not support double backward "
+                           "(create_graph=True, gradient penalties, Hessian-vector products); "
+                           "use backend='torch' for second-order gradients")
     dq, dk, dv = triton_attention_bwd(dout, q, k, v, out, lse, widths, offsets, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None, None
 

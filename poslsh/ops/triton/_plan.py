@@ -1,26 +1,29 @@
-"""Partition-derived tensors the Triton kernels read (plain torch, no triton).
+"""The plan the Triton kernels read, as plain torch (no triton): the reference the
+plan kernel is tested against, the tile arithmetic of the cost model, and the
+cache that keeps one plan per partitions.
 
-Everything here is elementwise float64 arithmetic on the bin widths and
-offsets: no data-dependent shapes, no host synchronisation, no Python loop over
-heads or samples. Each array comes from the one definition of the block geometry
-in :mod:`poslsh.partitions` (``block_labels``, ``block_bounds``), so the kernel sees
+Everything comes from the one definition of the block geometry in
+:mod:`poslsh.partitions` (``block_labels``, ``block_bounds``), so the kernels see
 exactly the blocks that the reference and the torch backend see.
 
 * ``ids``  int32 ``[H, s, n]``: block label of every position (nondecreasing
   along the sequence; equal labels <=> same block).
-* ``gran`` int32 ``[4, H, s, ceil(n / 16)]``: for every 16-position *granule*
-  ``g``, the block ``[start, end)`` that holds its first position ``16 g``
-  (rows 0 and 1) and the block that holds its last position
-  ``min(16 g + 15, n - 1)`` (rows 2 and 3). A tile of ``16 j`` rows reads its
-  key range, and whether a key tile is *interior* (inside the block of every
-  row in every sample), from these four numbers per sample.
+* ``gran`` int32 ``[2, H, s, ceil(n / 16)]``: for every 16-position *granule*
+  ``g``, the start of the block holding its first position ``16 g`` (row 0) and
+  the end of the block holding its last position ``min(16 g + 15, n - 1)``
+  (row 1). A tile of ``16 j`` positions reads its key range from these.
 * ``order`` int32 ``[Hq + Hkv]``: query heads, then key/value heads, sorted by
-  decreasing expected work (mean block width), so the grid launches the longest
-  programs first.
+  decreasing expected work (``sum_t min(w, n)``), so the longest programs start first.
+
+On a GPU the plan is one Triton kernel (``_kernels._plan_kernel``), built once per
+(partitions, n, GQA group) and kept in :data:`CACHE`; forward and backward share it.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +33,12 @@ from ...partitions import block_bounds, block_labels
 GRANULE = 16
 # Bound on the float64 temporaries of block_ids: H * s * chunk elements.
 _IDS_CHUNK_ELEMENTS = 1 << 23
+
+
+class Plan(NamedTuple):
+    ids: Tensor      # int32 [H, s, n]
+    gran: Tensor     # int32 [2, H, s, ceil(n / 16)]
+    order: Tensor    # int32 [Hq + Hkv]
 
 
 def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
@@ -46,13 +55,14 @@ def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
 
 
 def granule_bounds(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
-    """int32 ``[4, H, s, ceil(n / GRANULE)]``: first-position start/end, last-position start/end."""
+    """int32 ``[2, H, s, ceil(n / GRANULE)]``: block start of each granule's first position,
+    block end of its last position."""
     dev = widths.device
     first = torch.arange(0, n, GRANULE, device=dev, dtype=torch.int64)
     last = torch.clamp(first + GRANULE - 1, max=n - 1)
-    fs, fe = block_bounds(widths, offsets, n, first)
-    ls, le = block_bounds(widths, offsets, n, last)
-    return torch.stack([fs, fe, ls, le]).to(torch.int32).contiguous()
+    fs, _ = block_bounds(widths, offsets, n, first)
+    _, le = block_bounds(widths, offsets, n, last)
+    return torch.stack([fs, le]).to(torch.int32).contiguous()
 
 
 def head_order(widths: Tensor, n: int, group: int) -> Tensor:
@@ -64,35 +74,103 @@ def head_order(widths: Tensor, n: int, group: int) -> Tensor:
     return torch.cat([q_order, kv_order]).to(torch.int32)
 
 
-def plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(ids, gran, order)`` for the kernels (see the module docstring)."""
-    return (block_ids(widths, offsets, n), granule_bounds(widths, offsets, n),
-            head_order(widths, n, group))
+def plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> Plan:
+    """The plan in plain torch (the plan kernel's reference; ~100 small ops)."""
+    return Plan(block_ids(widths, offsets, n), granule_bounds(widths, offsets, n), head_order(widths, n, group))
 
 
-def visited_tiles(widths: Tensor, offsets: Tensor, n: int, block_m: int, block_n: int,
-                  causal: bool) -> Tuple[Tensor, Tensor]:
-    """Key tiles the forward kernel visits, per query head: ``(total [H], interior [H])``
-    (int64), for query tiles of ``block_m`` rows and key tiles of ``block_n`` keys.
-
-    Mirrors the kernel's range logic (``_ranges`` / ``_split``), so ``total * block_m *
-    block_n`` is the number of score elements it computes: the FLOP count behind the
-    "TFLOP/s on visited tiles" of the benchmark.
-    """
-    if block_m % GRANULE:
-        raise ValueError(f"block_m must be a multiple of {GRANULE}")
-    gran = granule_bounds(widths, offsets, n).long()                    # [4, H, s, G]
-    m0 = torch.arange(0, n, block_m, device=widths.device)
-    mlast = torch.clamp(m0 + block_m, max=n) - 1
-    g0, g1 = m0 // GRANULE, mlast // GRANULE
-    lo = gran[0][..., g0].amin(1)                                       # [H, nQ]
-    inner_hi = gran[1][..., g0].amin(1)
-    inner_lo = gran[2][..., g1].amax(1)
-    hi = gran[3][..., g1].amax(1)
+def tile_ranges(widths: Tensor, offsets: Tensor, n: int, tile: int, causal: bool,
+                transpose: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per (head, program tile of ``tile`` positions): ``lo, hi`` (the union of the blocks
+    touching the tile, as the kernels compute it, causal cut included: ``hi <= last + 1``
+    for query tiles, ``lo >= first`` for key tiles with ``transpose``) and ``R`` (the
+    number of (sample, block) pairs touching the tile; ``R <= R_MAX`` -> one-hot count)."""
+    if tile % GRANULE:
+        raise ValueError(f"tile must be a multiple of {GRANULE}")
+    p0 = torch.arange(0, n, tile, device=widths.device)
+    pl = torch.clamp(p0 + tile, max=n) - 1
+    st, _ = block_bounds(widths, offsets, n, p0)
+    _, en = block_bounds(widths, offsets, n, pl)
+    lo, hi = st.amin(1), en.amax(1)                                    # [H, nP]
     if causal:
-        hi = torch.minimum(hi, mlast + 1)
-        inner_hi = torch.minimum(inner_hi, m0 + 1)
+        if transpose:
+            lo = torch.maximum(lo, p0)
+        else:
+            hi = torch.minimum(hi, pl + 1)
+    u = torch.stack([p0, pl]).to(torch.float64)
+    lab = block_labels(widths, offsets, u.reshape(-1)).view(*widths.shape, 2, -1)
+    R = (lab[..., 1, :] - lab[..., 0, :] + 1).sum(1).to(torch.int64)
+    return lo, hi, R
+
+
+def visited_tiles(widths: Tensor, offsets: Tensor, n: int, block_m: int, block_n: int, causal: bool,
+                  r_max: int = 32) -> Tuple[Tensor, Tensor]:
+    """Key tiles the forward kernel visits per query head, ``(total [H], one_hot [H])`` (int64):
+    all of them, and those of programs whose count is the one-hot MMA (``R <= r_max``).
+    ``total * block_m * block_n`` is the number of score elements computed: the FLOP count
+    behind the "TFLOP/s on visited tiles" of the benchmark."""
+    lo, hi, R = tile_ranges(widths, offsets, n, block_m, causal)
     nt = (torch.clamp(hi - lo, min=0) + block_n - 1) // block_n
-    ja = torch.minimum((torch.clamp(inner_lo - lo, min=0) + block_n - 1) // block_n, nt)
-    jb = torch.maximum(torch.minimum(torch.clamp(inner_hi - lo, min=0) // block_n, nt), ja)
-    return nt.sum(1), (jb - ja).sum(1)
+    return nt.sum(1), (nt * (R <= r_max)).sum(1)
+
+
+# ------------------------------------------------------------------ the plan cache
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:        # inference tensors have no version counter
+        return -1
+
+
+class PlanCache:
+    """Plans by (widths, offsets, n, group): a hit needs the *same* tensor objects at the
+    same version (an in-place change makes a new plan), entries die with their
+    tensors, and at most ``size`` are kept (least recently used goes first; a plan
+    holds ``~4.5 s`` bytes per (head, position)). Thread-safe: autograd runs the
+    backward in another thread. ``builds`` counts misses (tests, launch counts)."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.builds = 0
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, widths: Tensor, offsets: Tensor, n: int, group: int,
+            build: Callable[[], Plan]) -> Plan:
+        key = (id(widths), id(offsets), _version(widths), _version(offsets), int(n), int(group))
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0]() is widths and hit[1]() is offsets:
+                self._entries.move_to_end(key)
+                return hit[2]
+        value = build()
+        if self.size <= 0:
+            return value
+        ref_w = weakref.ref(widths, lambda _r, k=key: self._drop(k))
+        ref_c = weakref.ref(offsets, lambda _r, k=key: self._drop(k))
+        with self._lock:
+            self.builds += 1
+            self._entries[key] = (ref_w, ref_c, value)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
+
+    def _drop(self, key) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+
+CACHE = PlanCache()
+
+
+def cached(widths: Tensor, offsets: Tensor, n: int, group: int, build: Callable[[], Plan],
+           cache: Optional[PlanCache] = None) -> Plan:
+    return (CACHE if cache is None else cache).get(widths, offsets, n, group, build)

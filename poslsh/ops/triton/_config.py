@@ -1,0 +1,132 @@
+"""Tile configurations, shared-memory pruning and version checks of the Triton backend.
+
+Nothing here launches a kernel. The configuration lists and the shared-memory
+model were set from compile-only checks for sm_90 (``benchmarks/triton_static.py``
+compiles every configuration with the installed triton and prints registers,
+spills and shared memory next to :func:`smem_estimate`); no timing is behind
+them yet (see docs/triton.md).
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Optional
+
+import torch
+import triton
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+R_MAX = 32            # blocks per program tile up to which the count is a one-hot MMA (K = R_MAX)
+SAMPLE_CHUNK = 16     # samples handled per vector step in the range / block-list code
+MIN_TRITON = (3, 4)   # tl.make_tensor_descriptor (device-side TMA descriptors)
+# Shared memory of a Hopper SM available to one block (227 KiB); used when the device cannot be asked.
+DEFAULT_SMEM = 232448
+
+
+def _version(text: str):
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
+
+
+TRITON_VERSION = _version(triton.__version__)
+
+
+def version_problem() -> Optional[str]:
+    """Why this triton cannot run the kernels (None when it can)."""
+    if TRITON_VERSION < MIN_TRITON:
+        return (f"poslsh's triton backend needs triton >= {'.'.join(map(str, MIN_TRITON))} "
+                f"(tl.make_tensor_descriptor); found triton {triton.__version__}")
+    return None
+
+
+def interpreter_problem() -> Optional[str]:
+    """Why Triton's CPU interpreter cannot run the kernels here (None when it can):
+    triton < 3.9 with numpy >= 2.4 fails in the interpreter itself (``int()`` of a
+    1-element array, triton-lang/triton#9171, fixed in 3.9)."""
+    import numpy
+    if TRITON_VERSION < (3, 9) and _version(numpy.__version__) >= (2, 4):
+        return (f"triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__} "
+                f"(>= 2.4: 'only 0-dimensional arrays can be converted to Python scalars', "
+                f"triton-lang/triton#9171, fixed in triton 3.9)")
+    return None
+
+
+# ------------------------------------------------------------------ configurations
+def _cfg(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# The first entry of each list is the default when autotuning is off. Query tiles of
+# 128 rows (fwd, dq) keep the one-hot count's K = R_MAX = 32 for blocks wider than ~40
+# positions (docs/triton.md, "count designs"); dk/dv programs own 64 keys.
+# Forward: BLOCK_M query rows per program, BLOCK_N keys per step.
+FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)]
+# dk/dv: BLOCK_N keys per program, BLOCK_M queries per step.
+DKDV_CONFIGS = [_cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
+# dq: BLOCK_M queries per program, BLOCK_N keys per step.
+DQ_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
+CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}
+# Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
+# tiles, no software pipelining.
+FALLBACK = {"fwd": _cfg(32, 32, 4, 1), "dkdv": _cfg(32, 32, 4, 1), "dq": _cfg(32, 32, 4, 1)}
+TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH"]
+
+
+def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int, elem: int,
+                  r_max: int = R_MAX) -> int:
+    """Shared memory (bytes) a configuration needs, from its tiles: the program's own
+    tile, ``stages`` buffers of the streamed tiles, the one-hot operand and layout
+    scratch. An upper bound of what triton allocated for every configuration that
+    ``benchmarks/triton_static.py`` compiled for sm_90 (it prints both)."""
+    if kernel == "fwd":      # Q [bm, hd]; K, V [bn, hd + hdv] x stages; P / one-hot staging
+        own, stream, extra = bm * hd, bn * (hd + hdv), bm * bn + r_max * bn
+    elif kernel == "dq":     # Q, dO [bm, hd + hdv]; K, V [bn, hd + hdv] x stages
+        own, stream, extra = bm * (hd + hdv), bn * (hd + hdv), bm * bn + r_max * bn
+    elif kernel == "dkdv":   # K, V [bn, hd + hdv]; Q, dO [bm, hd + hdv] x stages; pT, dsT
+        own, stream, extra = bn * (hd + hdv), bm * (hd + hdv), 2 * bm * bn + r_max * bm
+    else:
+        raise ValueError(kernel)
+    need = (own + stages * stream + extra) * elem + 2 * r_max * bm * 2 + 4096
+    # fp32 operands go through 3xTF32 dots, which stage more: compiled fp32 d=128 configurations
+    # needed up to 1.41x this model (1.21x-1.41x), so 1.5x is the bound.
+    return int(need * 1.5) if elem == 4 else need
+
+
+def max_shared_memory(device=None) -> int:
+    """Shared memory one block may use on ``device`` (opt-in maximum)."""
+    if device is not None and getattr(device, "type", None) == "cuda":
+        try:
+            props = torch.cuda.get_device_properties(device)
+            v = getattr(props, "shared_memory_per_block_optin", None)
+            if v:
+                return int(v)
+            return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+        except Exception:        # noqa: BLE001 - fall back to the Hopper figure
+            pass
+    return DEFAULT_SMEM
+
+
+def _arg(named_args: dict, kwargs: dict, name: str, default):
+    return named_args.get(name, kwargs.get(name, default))
+
+
+def prune(kernel: str, configs: List[triton.Config], named_args: dict, **kwargs) -> List[triton.Config]:
+    """Drop the configurations whose shared memory (:func:`smem_estimate`) exceeds the
+    device's, before anything is compiled (a launch would fail with OutOfResources
+    after a compile of 15-40 s). Never empty: when nothing fits, :data:`FALLBACK`."""
+    hd = int(_arg(named_args, kwargs, "HEAD_DIM", 64))
+    hdv = int(_arg(named_args, kwargs, "HEAD_DV", 64))
+    fp32 = _arg(named_args, kwargs, "DOT_PREC", "tf32") != "tf32"
+    q = named_args.get("Q")
+    limit = max_shared_memory(getattr(q, "device", None))
+    elem = 4 if fp32 else 2
+
+    def need(c):
+        return smem_estimate(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, hd, hdv, elem)
+    keep = [c for c in configs if need(c) <= limit]
+    return keep or [FALLBACK[kernel]]
+
+
+def pruner(kernel: str):
+    def early_config_prune(configs, named_args, **kwargs):
+        return prune(kernel, configs, named_args, **kwargs)
+    return early_config_prune
