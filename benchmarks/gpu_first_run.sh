@@ -8,18 +8,18 @@
 # the next one still runs:
 #   0  env          10   GPU, torch, triton, numpy versions
 #   1  warm         70   compile the kernel variants of stages 2-4 in parallel processes (Triton's cache)
-#   2  tests       130   POSLSH_TRITON_AUTOTUNE=0 python3 -m pytest -q -m gpu tests/ops/test_triton.py
+#   2  tests       130   POSLSH_TRITON_AUTOTUNE=0 python3 -m pytest -q -m gpu tests/ops/test_triton.py tests/ops/test_low_precision.py
 #   3  check        60   bf16 n=4096 fwd+bwd vs the float64 oracle, TMA vs pointers, 2 vs 1 launches,
 #                        bitwise determinism (benchmarks/bench_gpu.py --check)
 #   4  timings     200   n = 131072 and 32768, bf16, 16 ALiBi heads, d = 128, s = 10, causal, fwd and
 #                        fwd+bwd: poslsh triton vs FlexAttention 10-sigma window, SDPA flash (no bias),
 #                        FlexAttention exact ALiBi (score_mod); one markdown table (autotuning off)
-# Total limit 470 s. Logs and results go to $OUT when it is set (else results/gpu_first_run/).
+# Total limit 470 s. Logs and results go to $OUT when it is set (else outputs/gpu_first_run/).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PWD}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-DEST=${OUT:-results/gpu_first_run}
+DEST=${OUT:-outputs/gpu_first_run}
 mkdir -p "$DEST"
 SUMMARY="$DEST/summary.txt"
 : > "$SUMMARY"
@@ -44,7 +44,7 @@ print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None
 from poslsh.ops.triton import _config
 print('triton problem:', _config.version_problem(), '| interpreter problem:', _config.interpreter_problem())"
 stage warm 70 $PY benchmarks/bench_gpu.py --warm
-stage tests 130 env POSLSH_TRITON_AUTOTUNE=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton.py
+stage tests 130 env POSLSH_TRITON_AUTOTUNE=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton.py tests/ops/test_low_precision.py
 stage check 60 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --check
 stage timings 200 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --n 131072 32768 \
   --methods poslsh-triton alibi-window sdpa-dense alibi-flex --rep-ms 25 \
