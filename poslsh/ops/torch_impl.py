@@ -306,6 +306,40 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     return dq.view_as(q).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
+# Query rows per head up to which one dense pass over each head's key range beats the tile
+# plan (decoding steps: the plan's per-group launches cost ~0.5 ms per layer per token).
+FEW_QUERIES = 16
+
+
+def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shape: AttnShape,
+                        scale: float) -> Tuple[Tensor, Tensor]:
+    """The forward for a few query rows (``n <= FEW_QUERIES``): every head's rows against the
+    union of their blocks, counts by comparing with the rows' block bounds. ``O(H n R (d + s))``
+    for key ranges of ``R`` keys, no tile plan. Same ``out``/``lse`` as :func:`forward`."""
+    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
+    ct = compute_dtype(q.dtype)
+    start, end = bounds.start, bounds.end                                     # [H, n, s] key rows
+    dev = start.device
+    rows = torch.arange(n, device=dev) + bounds.delta                         # the queries as key rows
+    lo = start.amin(dim=(1, 2))                                               # [H]
+    hi = end.amax(dim=(1, 2))
+    if bounds.causal:
+        hi = torch.clamp(hi, max=int(rows[-1]) + 1)
+    R = max(1, int((hi - lo).max()))
+    cols = lo[:, None] + torch.arange(R, device=dev)                          # [H, R]
+    inside = (start[..., None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[..., None])
+    count = inside.sum(2)                                                     # [H, n, R]
+    keep = (count > 0) & (cols < hi[:, None])[:, None, :]
+    if bounds.causal:
+        keep &= cols[:, None, :] <= rows[None, :, None]
+    bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
+    kv = (torch.arange(Hq, device=dev) // shape.group)[:, None]               # [H, 1] kv head of each head
+    idx = cols.clamp(max=shape.kv_len - 1)
+    K, V = k.to(ct)[:, kv, idx], v.to(ct)[:, kv, idx]                         # [B, H, R, d]
+    scores = torch.matmul(q.to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1), V).to(q.dtype), torch.logsumexp(scores, -1)
+
+
 # ------------------------------------------------------------------ custom ops
 # The backend is a pair of torch.library custom ops, like the Triton kernels: the
 # partitions travel as their two float64 tensors, everything derived from them is
@@ -341,7 +375,10 @@ def torch_attention_fwd(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets
     # The kernel picks its own precision (float32/64 accumulation); autocast
     # would turn its matmuls into bf16 and break the float32 buffers.
     with torch.autocast(q.device.type, enabled=False):
-        out, lse = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, scale, need_lse)
+        if shape.seqlen <= FEW_QUERIES:
+            out, lse = few_queries_forward(q, k, v, bounds, shape, scale)
+        else:
+            out, lse = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, scale, need_lse)
     return out.contiguous(), lse.contiguous(), bounds.start, bounds.end
 
 
