@@ -5,6 +5,12 @@ from .attention import available_backends, poslsh_attention
 from .partitions import Blocks, Partitions, sample_partitions
 from .reference import alibi_attention, poslsh_attention_reference
 from . import theory
+# N dimensions (paper section 5): 2-D ALiBi over image patches, other positional kernels
+from .attention_nd import poslsh_attention_2d
+from .kernels import FixedWidth, GammaWidths
+from .partitions_nd import PartitionsND, expected_mask, grid_coords, sample_partitions_nd
+from .reference_nd import alibi_nd_attention, alibi_nd_bias, alibi_nd_matrix, kernel_attention, \
+    poslsh_attention_nd_reference
 
 __version__ = "0.1.0"
 
@@ -13,4 +19,7 @@ __all__ = [
     "Partitions", "Blocks", "sample_partitions",
     "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "available_backends",
     "theory",
+    "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
+    "alibi_nd_bias", "alibi_nd_matrix", "alibi_nd_attention", "kernel_attention", "poslsh_attention_nd_reference",
+    "poslsh_attention_2d",
 ]
