@@ -26,7 +26,7 @@ from torch import Tensor
 from .sampling import MAX_WIDTH, SAMPLERS, check_groups, draw_grouped, draw_iid, group_sizes, lattice_points
 
 __all__ = ["Partitions", "Blocks", "sample_partitions", "hash_positions", "bin_start", "block_labels",
-           "block_bounds", "group_count", "SAMPLERS", "MAX_WIDTH"]
+           "block_bounds", "group_count", "check_sampler", "SAMPLERS", "MAX_WIDTH"]
 
 
 class Blocks(NamedTuple):
@@ -390,11 +390,11 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
     return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev), groups.to(dev))
 
 
-def check_sampler(method, group_size=None) -> None:
-    """One-line errors for a sampler name or group size no sampler accepts."""
+def check_sampler(method, group_size=None, *, name: str = "method") -> None:
+    """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
     if method not in SAMPLERS:
-        raise ValueError(f"method must be one of {', '.join(SAMPLERS)}, got {method!r}")
+        raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
     if group_size is not None and (method != "grouped" or isinstance(group_size, bool)
                                    or not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size must be None or an int >= 1 with method='grouped', got {group_size!r} "
-                         f"(method={method!r})")
+        raise ValueError(f"group_size must be None or an int >= 1 with {name}='grouped', got {group_size!r} "
+                         f"({name}={method!r})")

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ..partitions import check_sampler
+
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "PositionalConfig", "positional_config",
            "attention_modules", "NoRotaryEmbedding", "convert"]
 
@@ -31,6 +33,8 @@ class PositionalConfig:
 
     scheme: str = "poslsh"       # one of SCHEMES
     num_samples: int = 10        # s, partitions per head (poslsh)
+    sampler: str = "iid"         # how the s partitions are drawn: iid | stratified | grouped (poslsh.sampling)
+    group_size: Optional[int] = None  # grouped: largest group size k (None: G = max(2, round(sqrt(s))) groups)
     block_size: int = 512        # fixed_blocks block size
     seed: int = 0                # training partitions: seeded by (seed, step, layer)
     eval_seed: int = 0           # eval partitions: seeded by (eval_seed, layer)
@@ -44,6 +48,7 @@ class PositionalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_sampler(self.sampler, self.group_size, name="sampler")
 
     @property
     def implementation(self) -> str:
