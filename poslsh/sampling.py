@@ -41,11 +41,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SAMPLERS", "check_groups", "group_sizes", "draw_iid", "draw_grouped", "gamma2_quantile", "lattice_points"]
+__all__ = ["SAMPLERS", "parse_sampler", "check_groups", "group_sizes", "draw_iid", "draw_grouped", "gamma2_quantile",
+           "lattice_points"]
 
 SAMPLERS = ("iid", "stratified", "grouped")
 TINY = torch.finfo(torch.float64).tiny
 MAX_WIDTH = 1e300   # widths are clamped here (a single block for any sequence)
+
+
+def parse_sampler(spec: str) -> Tuple[str, Optional[int]]:
+    """A sampler as the experiments name it -> ``(method, group_size)``: ``"iid"``,
+    ``"stratified"``, ``"grouped"`` (``group_size=None``) or ``"grouped-k<k>"``."""
+    method, _, k = str(spec).partition("-k")
+    if method in SAMPLERS and not k:
+        return method, None
+    if method == "grouped" and k.isdigit() and int(k) >= 1:
+        return method, int(k)
+    raise ValueError(f"unknown sampler {spec!r}: use iid, stratified, grouped or grouped-k<size> (e.g. grouped-k4)")
 
 
 def group_sizes(num_samples: int, method: str, group_size: Optional[int] = None) -> List[int]:

@@ -43,7 +43,7 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     preset: str = "custom"            # name of the preset this config came from (part of the run directory)
-    method: str = "poslsh-s10"        # positional scheme: original, alibi, fixed_blocks, poslsh-s<k> (iid) or poslsh-g<k> (grouped)
+    method: str = "poslsh-s10"        # original, alibi, fixed_blocks, poslsh-s<k> (iid) or poslsh-g<k> (grouped)
     seed: int = 0                     # seeds init, data order, partitions and dropout
     data: DataConfig = field(default_factory=DataConfig)     # corpora and tokenizer
     model: ModelConfig = field(default_factory=ModelConfig)  # model shape or LoRA base
