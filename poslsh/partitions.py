@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -349,7 +349,7 @@ def _validate_seed(seed) -> int:
 
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
                       seed: Optional[int] = None, method: str = "iid",
-                      group_size: Optional[int] = None) -> Partitions:
+                      group_size: Union[int, str, None] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
@@ -363,8 +363,9 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
             stratified widths): every slot is marginally ``b ~ Gamma(2, sigma)``,
             ``c | b ~ U[0, b)``, so ``E[M~] = L*`` exactly. See :mod:`poslsh.sampling`.
         group_size: ``"grouped"`` only: the largest group size ``k``, giving
-            ``G = max(2, ceil(s / k))`` groups of nearly equal size; ``None``:
-            ``G = max(2, round(sqrt(s)))``.
+            ``G = max(2, ceil(s / k))`` groups of nearly equal size; ``None``: ``k = 4``
+            (:data:`~poslsh.sampling.DEFAULT_GROUP_SIZE`); ``"sqrt"``:
+            ``G = max(2, round(sqrt(s)))`` groups.
 
     Returns:
         :class:`Partitions` with ``widths``/``offsets`` of shape ``[H, s]`` (float64)
@@ -394,7 +395,7 @@ def check_sampler(method, group_size=None, *, name: str = "method") -> None:
     """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
     if method not in SAMPLERS:
         raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
-    if group_size is not None and (method != "grouped" or isinstance(group_size, bool)
-                                   or not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size must be None or an int >= 1 with {name}='grouped', got {group_size!r} "
+    if group_size is not None and (method != "grouped" or (group_size != "sqrt" and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1))):
+        raise ValueError(f"group_size must be None, an int >= 1 or 'sqrt' with {name}='grouped', got {group_size!r} "
                          f"({name}={method!r})")

@@ -25,7 +25,10 @@ The random permutation makes this hold for every slot index, not only on average
 
 Group sizes: ``group_size=k`` gives ``G = max(2, ceil(s / k))`` groups (at least two:
 a single group of shifted grids is worse than i.i.d. on the spectral norm);
-``group_size=None`` gives ``G = max(2, round(sqrt(s)))`` (the issue's rule); ``s = 1``
+``group_size=None`` means ``k = DEFAULT_GROUP_SIZE = 4`` (the prototype study's
+compromise, confirmed by ``poslsh convergence``: ``docs/sampling.md``);
+``group_size="sqrt"`` gives ``G = max(2, round(sqrt(s)))`` (the issue's rule; better on
+the max norm at large ``s``, worse on the spectral norm and the output error); ``s = 1``
 is one group of one mask (the i.i.d. law). Sizes differ by at most one.
 
 This module draws the numbers (and checks a given group structure); :mod:`poslsh.partitions`
@@ -35,38 +38,45 @@ owns the geometry.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SAMPLERS", "parse_sampler", "check_groups", "group_sizes", "draw_iid", "draw_grouped", "gamma2_quantile",
+__all__ = ["SAMPLERS", "DEFAULT_GROUP_SIZE", "parse_sampler", "check_groups", "group_sizes", "draw_iid", "draw_grouped", "gamma2_quantile",
            "lattice_points"]
 
 SAMPLERS = ("iid", "stratified", "grouped")
+DEFAULT_GROUP_SIZE = 4
 TINY = torch.finfo(torch.float64).tiny
 MAX_WIDTH = 1e300   # widths are clamped here (a single block for any sequence)
 
 
-def parse_sampler(spec: str) -> Tuple[str, Optional[int]]:
+def parse_sampler(spec: str) -> Tuple[str, Union[int, str, None]]:
     """A sampler as the experiments name it -> ``(method, group_size)``: ``"iid"``,
-    ``"stratified"``, ``"grouped"`` (``group_size=None``) or ``"grouped-k<k>"``."""
-    method, _, k = str(spec).partition("-k")
-    if method in SAMPLERS and not k:
-        return method, None
+    ``"stratified"``, ``"grouped"`` (``group_size=None``: groups of at most 4),
+    ``"grouped-k<k>"`` or ``"grouped-sqrt"`` (``G = max(2, round(sqrt(s)))``)."""
+    spec = str(spec)
+    if spec in SAMPLERS:
+        return spec, None
+    if spec == "grouped-sqrt":
+        return "grouped", "sqrt"
+    method, _, k = spec.partition("-k")
     if method == "grouped" and k.isdigit() and int(k) >= 1:
         return method, int(k)
-    raise ValueError(f"unknown sampler {spec!r}: use iid, stratified, grouped or grouped-k<size> (e.g. grouped-k4)")
+    raise ValueError(f"unknown sampler {spec!r}: use iid, stratified, grouped, grouped-k<size> (e.g. grouped-k4) "
+                     "or grouped-sqrt")
 
 
-def group_sizes(num_samples: int, method: str, group_size: Optional[int] = None) -> List[int]:
+def group_sizes(num_samples: int, method: str, group_size: Union[int, str, None] = None) -> List[int]:
     """The sizes ``k_g`` of the independent groups of ``num_samples`` slots (the
     i.i.d. and stratified schemes: ``s`` groups of one)."""
     s = num_samples
     if method != "grouped" or s == 1:
         return [1] * s
-    G = max(2, round(math.sqrt(s))) if group_size is None else max(2, -(-s // group_size))
+    k = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    G = max(2, round(math.sqrt(s))) if k == "sqrt" else max(2, -(-s // k))
     G = min(G, s)
     return [s // G + (g < s % G) for g in range(G)]
 

@@ -14,7 +14,7 @@ from poslsh.partitions import Partitions, block_labels, group_count, sample_part
 from poslsh.reference import poslsh_attention_reference
 from poslsh.sampling import group_sizes
 
-METHODS = [("stratified", None), ("grouped", None), ("grouped", 4), ("grouped", 2)]
+METHODS = [("stratified", None), ("grouped", None), ("grouped", "sqrt"), ("grouped", 2)]
 
 
 @pytest.mark.parametrize("method,k", METHODS)
@@ -38,9 +38,9 @@ def test_every_slot_is_marginally_gamma_and_uniform(method, k):
     assert min(worst) > 1e-4
 
 
-@pytest.mark.parametrize("method,k", [("grouped", None), ("grouped", 4), ("stratified", None)])
+@pytest.mark.parametrize("method,k", [("grouped", None), ("grouped", "sqrt"), ("stratified", None)])
 def test_mean_mask_is_unbiased(method, k):
-    n, s, R = 48, 5, 4000
+    n, s, R = 48, 20, 4000        # s = 20: 5 groups of 4 (default), 4 groups of 5 (sqrt), 20 strata
     for sigma in (4.0, 16.0):
         P = sample_partitions(torch.full((R,), sigma), s, seed=3, method=method, group_size=k)
         m = P.dense_mean(n)                                  # [R, n, n]: R independent draws of M~
@@ -58,10 +58,10 @@ def test_mean_mask_is_unbiased(method, k):
 
 
 @pytest.mark.parametrize("sigma", [0.4, 3.0, 40.0, 1e4])
-@pytest.mark.parametrize("k", [None, 3, 8])
+@pytest.mark.parametrize("k", [None, "sqrt", 3, 8])
 def test_group_count_equals_per_mask_counting(sigma, k):
     n, s = 160, 17
-    P = sample_partitions(torch.full((3,), sigma), s, seed=int(sigma * 10) + (k or 0), method="grouped",
+    P = sample_partitions(torch.full((3,), sigma), s, seed=int(sigma * 10) + len(str(k)), method="grouped",
                           group_size=k)
     labels = block_labels(P.widths, P.offsets, torch.arange(n, dtype=torch.float64))   # [H, s, n]
     width, origin, size = P.group_lattices()
@@ -89,9 +89,10 @@ def test_group_count_by_hand():
 
 
 def test_group_sizes_and_structure():
-    assert group_sizes(20, "grouped") == [5, 5, 5, 5]                 # G = round(sqrt(20)) = 4
-    assert group_sizes(10, "grouped") == [4, 3, 3]
-    assert group_sizes(20, "grouped", 4) == [4] * 5
+    assert group_sizes(20, "grouped") == [4] * 5                      # default: groups of at most 4
+    assert group_sizes(20, "grouped", "sqrt") == [5, 5, 5, 5]         # G = round(sqrt(20)) = 4
+    assert group_sizes(10, "grouped") == group_sizes(10, "grouped", "sqrt") == [4, 3, 3]
+    assert group_sizes(100, "grouped", "sqrt") == [10] * 10 and group_sizes(100, "grouped") == [4] * 25
     assert group_sizes(5, "grouped", 4) == [3, 2]                     # never fewer than two groups
     assert group_sizes(4, "grouped", 8) == [2, 2]
     assert group_sizes(1, "grouped") == [1]
@@ -128,7 +129,8 @@ def test_bad_arguments_are_one_line_errors():
     sig = torch.tensor([2.0])
     for kwargs, word in [(dict(method="sobol"), "method"), (dict(method="iid", group_size=4), "group_size"),
                          (dict(method="grouped", group_size=0), "group_size"),
-                         (dict(method="grouped", group_size=2.5), "group_size")]:
+                         (dict(method="grouped", group_size=2.5), "group_size"),
+                         (dict(method="grouped", group_size="cubic"), "group_size")]:
         with pytest.raises(ValueError, match=word) as e:
             sample_partitions(sig, 4, **kwargs)
         assert "\n" not in str(e.value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ class PositionalConfig:
     scheme: str = "poslsh"       # one of SCHEMES
     num_samples: int = 10        # s, partitions per head (poslsh)
     sampler: str = "iid"         # how the s partitions are drawn: iid | stratified | grouped (poslsh.sampling)
-    group_size: Optional[int] = None  # grouped: largest group size k (None: G = max(2, round(sqrt(s))) groups)
+    group_size: Union[int, str, None] = None  # grouped: largest group size k (None: 4; "sqrt": G ~ sqrt(s))
     block_size: int = 512        # fixed_blocks block size
     seed: int = 0                # training partitions: seeded by (seed, step, layer)
     eval_seed: int = 0           # eval partitions: seeded by (eval_seed, layer)

@@ -67,7 +67,7 @@ def test_methods_and_presets():
     assert parse_method("original") == ("original", 1, "iid", None)
     assert parse_method("poslsh-s20").sampler == "iid"
     assert parse_method("poslsh-g20") == ("poslsh", 20, "grouped", None)
-    assert parse_method("poslsh-g20k4") == ("poslsh", 20, "grouped", 4)
+    assert parse_method("poslsh-g20k5") == ("poslsh", 20, "grouped", 5)
     for bad in ("poslsh-g0", "poslsh-s20k4", "poslsh-g20k0", "poslsh-g", "poslsh-x5"):
         with pytest.raises(ConfigError, match="unknown method"):
             parse_method(bad)

@@ -165,7 +165,7 @@ class Positional(NamedTuple):
     scheme: str                       # original | alibi | poslsh | fixed_blocks
     num_samples: int = 1              # s, partitions per head (poslsh only)
     sampler: str = "iid"              # iid (poslsh-s<k>) | grouped (poslsh-g<k>)
-    group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: sqrt rule
+    group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: 4
 
 
 _METHOD = re.compile(r"poslsh-(s|g)([0-9]+)(?:k([0-9]+))?")
@@ -173,8 +173,8 @@ _METHOD = re.compile(r"poslsh-(s|g)([0-9]+)(?:k([0-9]+))?")
 
 def parse_method(method: str) -> Positional:
     """``"poslsh-s10"`` -> ``Positional("poslsh", 10)`` (i.i.d. partitions);
-    ``"poslsh-g10"`` -> ``Positional("poslsh", 10, "grouped")`` (grouped sampling,
-    ``G = max(2, round(sqrt(s)))`` groups); ``"poslsh-g20k4"`` -> groups of at most 4.
+    ``"poslsh-g10"`` -> ``Positional("poslsh", 10, "grouped")`` (grouped sampling, groups
+    of at most 4, the library's default); ``"poslsh-g20k5"`` -> groups of at most 5.
     Other methods have ``num_samples = 1``."""
     if method in ("original", "alibi", "fixed_blocks"):
         return Positional(method, 1)
