@@ -232,7 +232,7 @@ def main() -> None:
         return
     if args.samplers_only:
         n = 4096 if args.quick else 16384
-        res = sampler_comparison(n, 3 if args.quick else args.repeats, args.accuracy_draws)
+        res = sampler_comparison(n, args.repeats, args.accuracy_draws)
         print_sampler_comparison(res)
         atomic_write_json(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
                                                 f"{torch.__version__}, {torch.get_num_threads()} threads",
