@@ -70,7 +70,7 @@ __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matri
 @dataclass
 class AuditConfig(ModelInputs):
     delta: float = 0.05                                 # confidence: every check is at level 1 - delta
-    samplers: Tuple[str, ...] = ("iid", "grouped")      # each checked against its own bound (iid, grouped, ...)
+    samplers: Tuple[str, ...] = ("iid", "grouped")      # each against its own bound (also grouped-k<k>, grouped-sqrt)
     # matrix checks (no model needed)
     num_heads: int = 9                                  # ALiBi slopes for this head count (SmolLM2: 9)
     n_matrix: int = 1024                                # n for the matrix checks

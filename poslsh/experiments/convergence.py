@@ -84,7 +84,7 @@ class ConvergenceConfig(ModelInputs):
     n: int = 4096                                       # tokens per input
     num_inputs: Annotated[int, tyro.conf.arg(aliases=("--inputs",))] = 30  # number of input segments
     samples: Tuple[int, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10000)  # sample sizes s
-    samplers: Tuple[str, ...] = ("iid", "grouped")      # side by side: iid, stratified, grouped, grouped-k<size>
+    samplers: Tuple[str, ...] = ("iid", "grouped")      # side by side (also stratified, grouped-k<size>, grouped-sqrt)
     delta: float = 0.05                                 # confidence parameter of the eq. (3) curve
     bound_c: Annotated[float, tyro.conf.arg(aliases=("--bound-C",))] = 1.0  # universal constant C drawn in eq. (1)
     out: str = "outputs/convergence"                    # output directory (results/convergence: the reference)

@@ -53,7 +53,7 @@ class DemoConfig:
     num_heads: int = 4                  # ALiBi heads (random Q/K/V; their sigmas)
     head_dim: int = 64                  # head dimension of random Q/K/V
     samples: Tuple[int, ...] = (1, 5, 10, 20, 100)  # sample sizes s
-    samplers: Tuple[str, ...] = ("iid", "grouped")  # side by side: iid, stratified, grouped, grouped-k<size>
+    samplers: Tuple[str, ...] = ("iid", "grouped")  # side by side (also stratified, grouped-k<size>, grouped-sqrt)
     delta: float = 0.05                 # confidence for the eq. (3) max-norm bound
     C: float = 1.0                      # the universal constant of eq. (1), shown explicitly
     seed: int = 0                       # seed of random Q/K/V and of the partition draws
