@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ._validation import AttnShape, check_heads, check_qkv, check_scale
 from .ops import load_backends, registry
-from .ops.torch_impl import Span
+from .ops.torch_plan import Span
 from .partitions import Partitions
 
 __all__ = ["poslsh_attention", "available_backends"]

@@ -28,6 +28,8 @@ COMMAND_MODULES = [
     "poslsh.experiments.convergence",
     "poslsh.experiments.audit",
     "poslsh.experiments.lm.commands",
+    "poslsh.experiments.generate",
+    "poslsh.experiments.vision",
 ]
 
 

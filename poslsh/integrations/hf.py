@@ -31,10 +31,18 @@ Masks: with no mask (or an all-ones padding mask) the near-linear kernel runs.
 A causal mask with contiguous per-row key padding (right or left padding) also
 runs the kernel: each row is rolled so its valid tokens start at position 0,
 which makes positions after the valid run the only padding, and causal queries
-never see them. Any other mask (packed sequences, decoding with a KV cache,
-custom 4-D masks) is applied exactly by the dense
-:func:`poslsh.reference.dense_attention` (``O(nq nk)``), with one warning per model
-that names the cause.
+never see them. Any other mask (packed sequences, custom 4-D masks, sliding
+windows) is applied exactly by the dense :func:`poslsh.reference.dense_attention`
+(``O(nq nk)``), with one warning per model that names the cause.
+
+Decoding with a KV cache: ``generate()`` of a model built, converted or loaded here
+uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
+(:func:`generation_cache`, :func:`enable_generation_cache`), which drops the keys no
+later query can see. Its steps, and decoding steps against a full cache
+(``DynamicCache``, left padding), run :func:`poslsh.poslsh_attention` at the queries'
+and keys' positions (``q_start``, ``k_start``), one call per group of rows with equal
+offsets: ``O(nq * range * d)``, no ``nq x nk`` tensor. A row's positions start at its
+first real token, as in the prefill.
 """
 from __future__ import annotations
 
@@ -51,16 +59,19 @@ from ..attention import poslsh_attention
 from ..partitions import Partitions, sample_partitions
 from ..reference import dense_attention
 from ..seeding import stable_seed
+from . import hf_cache
+from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
 from .hf_convert import (IMPLEMENTATIONS, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
                          positional_config)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "LayerState",
            "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
-           "fixed_blocks_attention_forward"]
+           "fixed_blocks_attention_forward", "PoslshCache", "generation_cache", "enable_generation_cache"]
 
 log = logging.getLogger(__name__)
 STEP_KWARG = "poslsh_step"
+CONTEXT_KWARG = "poslsh_context"   # a poslsh.distributed.ContextShard: the inputs are one rank's shard
 
 
 # ------------------------------------------------------------------ partitions
@@ -239,23 +250,43 @@ def _warn_dense_once(module, scheme: str, cause: str) -> None:
 def _block_attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None,
                              dropout: float = 0.0, **kwargs):
     step = kwargs.pop(STEP_KWARG, None)
+    context = kwargs.pop(CONTEXT_KWARG, None)
+    layer = kwargs.pop(CACHE_KWARG, None)
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     H, d, nq, nk = query.shape[1], query.shape[3], query.shape[2], key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    if context is None and (layer is not None or nq != nk) and module.training:
+        raise ValueError("model is in training mode, which draws new partitions every forward; decoding with a "
+                         "KV cache needs the fixed evaluation partitions: call model.eval()")
     parts = layer_partitions(module, H, scheme, step=step, device=query.device)
     backend = positional_config(module.config).backend
     allowed = _allowed(attention_mask)
+    if context is not None:   # context parallelism: query/key/value are this rank's shard of each sequence
+        with _no_autocast(query.device):
+            out = context.attention(query, key, value, parts, causal=causal, scale=scaling, backend=backend,
+                                    mask=allowed, window=kwargs.get("sliding_window"))
+        return out.transpose(1, 2).contiguous(), None
+    if layer is not None:   # a PoslshCache step: the keys are the layer's bounded window
+        if kwargs.get("sliding_window") is not None or not causal:
+            raise ValueError("cache: a PoslshCache needs causal attention without a sliding window")
+        with _no_autocast(query.device):
+            out = hf_cache.attend(layer, module, scheme, query, key, value, allowed, parts, scaling, backend,
+                                  kwargs.get("position_ids"))
+        return out.transpose(1, 2).contiguous(), None
     window = _sliding(kwargs, nk)
     with _no_autocast(query.device):
         out = None
         if nq == nk and window is None:
             out = _kernel(query, key, value, parts, allowed, causal, scaling, backend)
-        if out is None:   # general mask / KV-cache decoding: exact, dense O(nq * nk)
-            cause = (f"KV-cache decoding ({nq} queries, {nk} keys)" if nq != nk else
-                     "a sliding window" if window is not None else
-                     "a mask other than causal padding (packed sequences or a custom 4-D mask)")
+        elif window is None and causal and (pads := hf_cache.left_pads(allowed, query.shape[0], nq, nk)) is not None:
+            # decoding against a full cache (keys 0..nk-1, queries the last nq): spans, per row
+            out = hf_cache.span_rows_attention(query, key, value, parts, nk - nq, 0, pads, scaling, backend)
+        if out is None:   # general mask: exact, dense O(nq * nk)
+            cause = ("a sliding window" if window is not None else
+                     f"a mask other than causal padding ({nq} queries, {nk} keys: packed sequences, a custom 4-D "
+                     "mask or non-causal decoding)")
             _warn_dense_once(module, scheme, cause)
             count = parts.dense_count(nk)[:, nk - nq:, :].to(torch.float64)
             out = _dense(query, key, value, allowed, torch.log(count), scaling, causal, window)
@@ -291,6 +322,12 @@ def alibi_attention_forward(module, query, key, value, attention_mask, scaling=N
     """``AttentionInterface`` function for ``attn_implementation="alibi"``: exact ALiBi with
     slopes for the model's number of query heads (dense ``O(n^2)``, like stock ``sdpa``)."""
     kwargs.pop(STEP_KWARG, None)
+    if kwargs.pop(CONTEXT_KWARG, None) is not None:
+        raise ValueError("poslsh_context: exact ALiBi cannot run context-parallel (every query sees every earlier "
+                         "key); use the poslsh or fixed_blocks implementation")
+    if kwargs.pop(CACHE_KWARG, None) is not None:
+        raise ValueError("cache: a PoslshCache serves poslsh/fixed_blocks attention but this model runs alibi; "
+                         "use transformers' DynamicCache")
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     B, H, nq, d = query.shape
@@ -331,7 +368,8 @@ def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **par
     (``num_samples``, ``sampler``, ``group_size``, ``block_size``, ``seed``, ``eval_seed``, ``backend``).
     """
     register()
-    return convert(model_or_config, scheme, **params)
+    out = convert(model_or_config, scheme, **params)
+    return out if out is not model_or_config else enable_generation_cache(out)
 
 
 def from_pretrained(path, **kwargs):
@@ -353,7 +391,7 @@ def from_pretrained(path, **kwargs):
     if pc.scheme == "original":
         return model
     params = {k: v for k, v in asdict(pc).items() if k not in ("scheme", "rope_removed")}
-    return convert(model, pc.scheme, **params)
+    return enable_generation_cache(convert(model, pc.scheme, **params))
 
 
 def model_from_config(config, scheme: Optional[str] = None, **params):
@@ -364,7 +402,7 @@ def model_from_config(config, scheme: Optional[str] = None, **params):
     scheme = scheme or positional_config(config).scheme
     cfg = convert(config, scheme, **params)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=positional_config(cfg).implementation)
-    return convert(model, scheme, **params)
+    return enable_generation_cache(convert(model, scheme, **params))
 
 
 try:  # register on import when transformers is installed

@@ -33,7 +33,7 @@ def register_backend(name: str, fn: Callable[..., Tensor], can_run: Callable[[Te
                      preferred: Optional[Callable[[Tensor], bool]] = None, priority: int = 0,
                      spans: bool = False) -> None:
     """Register (or replace) backend ``name``; ``preferred`` defaults to "never auto-picked";
-    ``spans``: ``fn`` also takes ``span=`` (:class:`poslsh.ops.torch_impl.Span`)."""
+    ``spans``: ``fn`` also takes ``span=`` (:class:`poslsh.ops.torch_plan.Span`)."""
     _BACKENDS[name] = Backend(name, fn, can_run, preferred or (lambda q: False), priority, spans)
 
 

@@ -255,14 +255,15 @@ def test_models_without_rope_are_refused():
 def test_dense_fallback_warns_once_per_model_with_the_cause(caplog):
     model = tiny_model("poslsh")
     x = ids(B=1, n=12)
+    packed = torch.zeros(12, 12, dtype=torch.bool)    # two packed documents: block-diagonal causal
+    packed[:5, :5] = packed[5:, 5:] = True
+    packed = packed.tril()[None, None]
     with caplog.at_level("WARNING", logger="poslsh.integrations.hf"), torch.no_grad():
-        out = model(x[:, :8], use_cache=True)
-        cache = out.past_key_values
-        for i in range(8, 11):
-            cache = model(x[:, i:i + 1], past_key_values=cache, use_cache=True).past_key_values
+        for _ in range(3):
+            model(x, attention_mask=packed)
     warnings = [r.getMessage() for r in caplog.records if "dense" in r.getMessage()]
     print(warnings)
-    assert len(warnings) == 1 and "KV-cache decoding" in warnings[0]
+    assert len(warnings) == 1 and "a mask other than causal padding" in warnings[0]
 
 
 # ---------------------------------------------------------------- samplers

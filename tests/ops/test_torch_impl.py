@@ -140,7 +140,7 @@ def test_partitions_on_other_device_are_moved():
 @pytest.mark.parametrize("chunk", [1 << 9, 1 << 13])
 def test_small_chunks_match_reference(monkeypatch, chunk):
     """Many chunks per group (reused buffers, ragged last chunk), batch 2, both passes."""
-    import poslsh.ops.torch_impl as ti
+    import poslsh.ops.torch_plan as ti
 
     monkeypatch.setattr(ti, "CHUNK_ELEMENTS", chunk)
     q, k, v = make_qkv(2, 4, 2, 300, 8, seed=21, requires_grad=True)

@@ -17,8 +17,9 @@ import torch
 from ...io import atomic_write_text
 from ..command import Command, ConfigError
 from .checkpoint import load_checkpoint_params, resolve_checkpoint
-from .config import PRESETS, EvalCommand, TableCommand, TrainCommand, check, experiment_config, run_dir
-from .evaluation import evaluate, format_result
+from .config import (PRESETS, EvalCommand, TableCommand, TrainCommand, check, experiment_config, parse_method,
+                     run_dir)
+from .evaluation import evaluate, evaluate_streaming, format_result
 from .loop import train
 from .model import Dist, build_model, load_data
 from .table import dry_run, run_table
@@ -45,11 +46,17 @@ def train_main(cmd: TrainCommand) -> int:
 
 def eval_main(cmd: EvalCommand) -> int:
     """Evaluate a checkpoint as ``cmd.method``; writes ``eval-<split>.json`` in the run directory
-    (or, for another run's checkpoint, ``eval-<split>-as-<method>.json`` next to that run)."""
+    (or, for another run's checkpoint, ``eval-<split>-as-<method>.json`` next to that run);
+    ``--streaming`` writes ``eval-<split>[-as-<method>]-streaming.json``."""
     cfg = experiment_config(cmd)
     check(cfg)
+    if cmd.streaming and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
+        raise ConfigError(f"streaming: method {cfg.method} attends to every earlier key (no bounded cache); "
+                          "--streaming evaluates poslsh-s<k> and fixed_blocks")
     ckpt = resolve_checkpoint(cmd.checkpoint, run_dir(cfg))
     dist = Dist(cfg.device)
+    if cmd.streaming and dist.world > 1:
+        raise ConfigError("streaming: one sequential stream; run it in a single process, not under torchrun")
     data = load_data(cfg, dist)
     model = build_model(cfg, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
     params = load_checkpoint_params(ckpt)
@@ -57,15 +64,26 @@ def eval_main(cmd: EvalCommand) -> int:
         for n, p in model.named_parameters():
             if n in params:
                 p.copy_(params[n])
-    res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": str(ckpt), "split": cfg.eval_split,
-           "eval": evaluate(model, data.splits[cfg.eval_split], cfg, dist, progress=cmd.progress)}
+    res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": str(ckpt), "split": cfg.eval_split}
+    if cmd.streaming:
+        res["streaming"] = evaluate_streaming(model, data.splits[cfg.eval_split], cfg, dist, progress=cmd.progress)
+    else:
+        res["eval"] = evaluate(model, data.splits[cfg.eval_split], cfg, dist, progress=cmd.progress)
     if dist.main:
         # Another run's checkpoint evaluated as this method is filed with the checkpoint, under
         # a name that says so, never over this run's own evaluation.
         own = run_dir(cfg).resolve() in ckpt.resolve().parents
-        out = (run_dir(cfg) / f"eval-{cfg.eval_split}.json" if own
-               else ckpt.parent.parent / f"eval-{cfg.eval_split}-as-{cfg.method}.json")
+        name = f"eval-{cfg.eval_split}" + ("" if own else f"-as-{cfg.method}") + ("-streaming" if cmd.streaming else "")
+        out = (run_dir(cfg) if own else ckpt.parent.parent) / f"{name}.json"
         atomic_write_text(out, json.dumps(res, indent=1))
+        if cmd.streaming:
+            r = res["streaming"]
+            print(f"streaming {r['tokens']} tokens ({r['chunk']} per step): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%  "
+                  f"{r['tokens_per_s']:.0f} tokens/s; cache at most {r['cache']['kept_max']} keys per layer "
+                  f"(bound {r['cache']['bound_max']})")
+            for b in r["by_position"]:
+                print(f"  positions [{b['from']}, {b['to']}): ppl {b['ppl']:.3f}  acc {b['acc']:.2f}%")
+            return 0
         for k, r in res["eval"].items():
             print(f"{k} (context {r['context']}): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%")
     return 0
