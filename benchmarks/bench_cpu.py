@@ -13,14 +13,23 @@ Configuration (issue 2): float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
   cores oversubscribed 3x), started and stopped by this script; reports the spread
   (min / median / max) and the busy / quiet ratios.
 
+* samplers (issue 12): grouped vs i.i.d. partitions (``docs/sampling.md``), forward
+  at n=16384 (4096 with ``--quick``): at equal s (s = 5, 10, 20), and at equal
+  accuracy: each grouped s against i.i.d. at the s with the same mean
+  ``||L* - M~||_max`` (measured here at n=1024 over ``--accuracy-draws`` draws of the
+  4 heads, i.i.d. s on a grid, log-log interpolated, then rounded up), plus the
+  largest block of each draw (the cost the kernels see). Times are the best of
+  interleaved rounds (robust on a shared machine).
+
 Prints medians and ratios, writes ``outputs/bench_cpu.json`` atomically (the committed
 ``results/bench_cpu.json`` is refreshed only with ``--out results/bench_cpu.json``).
-Run: ``python benchmarks/bench_cpu.py [--quick] [--no-busy]``.
+Run: ``python benchmarks/bench_cpu.py [--quick] [--no-busy] [--no-samplers]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,6 +41,8 @@ import torch
 import torch.nn.functional as F
 
 import poslsh
+from poslsh import theory
+from poslsh.analysis.records import equivalent_samples
 from poslsh.io import atomic_write_json
 from poslsh.timing import median_seconds
 
@@ -62,6 +73,74 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
     mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
     with torch.no_grad():
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+
+
+IID_GRID = (1, 2, 3, 5, 7, 10, 14, 20, 30, 40, 60, 80, 120, 160, 240, 320)
+
+
+def mean_max_error(s: int, method: str, draws: int, n: int = 1024) -> float:
+    """Mean ``||L* - M~||_max`` over ``draws`` draws x the 4 heads (seeded)."""
+    errs = [theory.max_norm_error(poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=1000 + r, method=method),
+                                  n) for r in range(draws)]
+    return float(torch.cat(errs).mean())
+
+
+def sampler_comparison(n: int, repeats: int, draws: int, samples=(5, 10, 20)) -> dict:
+    """Grouped vs i.i.d.: accuracy (mean max-norm error at n=1024), the i.i.d. s of equal
+    accuracy, and the forward time at ``n`` at equal s and at equal accuracy."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    iid_err = {s: mean_max_error(s, "iid", draws) for s in IID_GRID}
+
+    def setup(s: int, method: str):
+        parts = poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=0, method=method)
+        return parts, {"s": s, "method": method, "max_block": parts.max_block_size(n), "times": [], "cpu": []}
+
+    rows = []
+    for s in samples:
+        err = mean_max_error(s, "grouped", draws)
+        s_eq, beyond = equivalent_samples(list(iid_err), list(iid_err.values()), err)
+        cases = [setup(s, "grouped"), setup(s, "iid"), setup(max(s, math.ceil(s_eq)), "iid")]
+        # interleaved rounds, best of each: on a shared machine the load hits all three alike,
+        # and the minimum is the least disturbed call
+        with torch.no_grad():
+            for parts, rec in cases:
+                poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch")          # warm-up
+            for _ in range(repeats):
+                for parts, rec in cases:
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch")
+                    rec["times"].append(time.perf_counter() - t0)
+                    rec["cpu"].append(time.process_time() - c0)
+        # CPU seconds (all threads) of the best call: the work done, much less sensitive than wall
+        # time to other processes on the machine
+        grouped, iid_same, iid_equal = (dict(rec, seconds=min(rec["times"]), cpu_seconds=min(rec["cpu"]))
+                                        for _, rec in cases)
+        rows.append({"s": s, "grouped_max_err": err, "iid_max_err_same_s": iid_err.get(s), "iid_s_equal_accuracy": s_eq,
+                     "extrapolated": beyond, "grouped": grouped, "iid_same_s": iid_same,
+                     "iid_equal_accuracy": iid_equal,
+                     "speedup_same_s": iid_same["seconds"] / grouped["seconds"],
+                     "speedup_equal_accuracy": iid_equal["seconds"] / grouped["seconds"],
+                     "cpu_ratio_same_s": iid_same["cpu_seconds"] / grouped["cpu_seconds"],
+                     "cpu_ratio_equal_accuracy": iid_equal["cpu_seconds"] / grouped["cpu_seconds"]})
+    return {"n": n, "accuracy_n": 1024, "accuracy_draws": draws, "iid_grid_max_err": iid_err, "rows": rows}
+
+
+def print_sampler_comparison(res: dict) -> None:
+    print(f"\ngrouped vs iid partitions (forward at n={res['n']}; accuracy = mean ||L*-M~||max at "
+          f"n={res['accuracy_n']} over {res['accuracy_draws']} draws x {H} heads):")
+    print(f"{'s':>4} {'max err g/iid':>14} {'iid s eq.acc':>12} | {'grouped ms':>10} {'iid ms':>8} "
+          f"{'iid@eq ms':>10} | {'x same s':>8} {'x eq.acc':>8} | {'cpu x same s':>12} {'cpu x eq.acc':>12} | "
+          f"{'max block g/iid':>16}")
+    for r in res["rows"]:
+        g, i, e = r["grouped"], r["iid_same_s"], r["iid_equal_accuracy"]
+        print(f"{r['s']:4d} {r['grouped_max_err']:.4f}/{r['iid_max_err_same_s']:.4f} "
+              f"{r['iid_s_equal_accuracy']:9.1f}{'*' if r['extrapolated'] else ' '}  | {g['seconds'] * 1e3:10.1f} "
+              f"{i['seconds'] * 1e3:8.1f} {e['seconds'] * 1e3:10.1f} | {r['speedup_same_s']:7.2f}x "
+              f"{r['speedup_equal_accuracy']:7.2f}x | {r['cpu_ratio_same_s']:11.2f}x "
+              f"{r['cpu_ratio_equal_accuracy']:11.2f}x | {g['max_block']:>7d}/{i['max_block']:<7d}")
+    print("ms: best wall time of interleaved rounds; x = iid / grouped (> 1: grouped faster); cpu x: the same with "
+          "the CPU seconds of the best call; iid@eq = iid at the s of equal accuracy (rounded up); * = extrapolated")
 
 
 LOAD_SCRIPT = """
@@ -160,9 +239,22 @@ def main() -> None:
                     help="also time under a standard background load (default on)")
     ap.add_argument("--load-procs", type=int, default=2, help="background load: processes")
     ap.add_argument("--load-threads", type=int, default=2, help="background load: threads per process")
+    ap.add_argument("--samplers", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compare grouped with i.i.d. partitions at equal s and equal accuracy (default on)")
+    ap.add_argument("--samplers-only", action="store_true", help="only the sampler comparison")
+    ap.add_argument("--accuracy-draws", type=int, default=8, help="sampler comparison: draws per accuracy point")
     args = ap.parse_args()
     if args.memory_child is not None:
         peak_memory_child(args.memory_child)
+        return
+    if args.samplers_only:
+        n = 4096 if args.quick else 16384
+        res = sampler_comparison(n, args.repeats, args.accuracy_draws)
+        print_sampler_comparison(res)
+        atomic_write_json(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
+                                                f"{torch.__version__}, {torch.get_num_threads()} threads",
+                                     "samplers": res})
+        print(f"wrote {args.out}")
         return
     n_small, n_large = (4096, 16384) if args.quick else (16384, 65536)
     reps = 3 if args.quick else args.repeats
@@ -202,10 +294,15 @@ def main() -> None:
                 print(f"  {name:26s} {when:5s} {x['min'] * 1e3:8.1f} / {x['median'] * 1e3:8.1f} / "
                       f"{x['max'] * 1e3:8.1f}   cpu/wall {x['cpu_per_wall']:.2f}")
             print(f"  {name:26s} busy / quiet median: {r['busy_over_quiet']:.2f}x")
+    samplers = None
+    if args.samplers:
+        samplers = sampler_comparison(n_small, reps, args.accuracy_draws)
+        print_sampler_comparison(samplers)
     atomic_write_json(args.out, {
         "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
         "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
         "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem, "busy": busy,
+        "samplers": samplers,
     })
     print(f"wrote {args.out}")
 

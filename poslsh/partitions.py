@@ -8,22 +8,25 @@ and ``E[M_ij] = exp(-|i - j| / sigma)``.
 
 A :class:`Partitions` holds ``s`` such hash functions for each of ``H`` heads as
 float64 tensors. Sampling always runs on the CPU, so a seed gives the same
-partitions whatever device they are moved to afterwards.
+partitions whatever device they are moved to afterwards. The ``s`` masks may be
+drawn i.i.d. (the paper) or correlated but marginally exact (``"stratified"``,
+``"grouped"``: see :mod:`poslsh.sampling`); grouped partitions keep their group
+structure (``Partitions.groups``), and :func:`group_count` counts a group's shared
+blocks by lattice arithmetic.
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .sampling import MAX_WIDTH, SAMPLERS, check_groups, draw_grouped, draw_iid, group_sizes, lattice_points
+
 __all__ = ["Partitions", "Blocks", "sample_partitions", "hash_positions", "bin_start", "block_labels",
-           "block_bounds"]
-
-
-MAX_WIDTH = 1e300   # widths are clamped here (a single block for any sequence)
+           "block_bounds", "group_count", "check_sampler", "SAMPLERS", "MAX_WIDTH"]
 
 
 class Blocks(NamedTuple):
@@ -54,11 +57,18 @@ class Partitions:
         offsets: ``[H, s]`` float64, bin offsets ``c`` (``0 <= c <= b``).
         sigma: ``[H]`` float64 bandwidths the partitions were drawn for, or
             ``None`` for deterministic partitions (the fixed-blocks baseline).
+        groups: ``[H, s]`` int64 group id of every slot (``0..G-1``, the same
+            ``G`` groups in every head), or ``None`` for independent masks
+            (i.i.d.). The masks of a group share one width and their offsets are
+            one lattice ``c + Z b / k`` (``k`` the group's size), so the groups are
+            independent and :func:`group_count` applies; checked on construction.
+            Stratified partitions are ``s`` groups of one.
     """
 
     widths: Tensor
     offsets: Tensor
     sigma: Optional[Tensor] = None
+    groups: Optional[Tensor] = None
 
     def __post_init__(self):
         w, c = self.widths, self.offsets
@@ -79,6 +89,21 @@ class Partitions:
             object.__setattr__(self, "sigma", _validate_sigma(self.sigma))
         if self.sigma is not None and self.sigma.shape != (w.shape[0],):
             raise ValueError(f"sigma must have shape [H]={w.shape[0]}, got {tuple(self.sigma.shape)}")
+        if self.groups is not None:
+            object.__setattr__(self, "groups", check_groups(self.widths, self.offsets, self.groups))
+
+    def __eq__(self, other) -> bool:
+        """Equal values (widths, offsets, sigma, groups), whatever the tensor objects."""
+        if not isinstance(other, Partitions):
+            return NotImplemented
+        pairs = [(self.widths, other.widths), (self.offsets, other.offsets), (self.sigma, other.sigma),
+                 (self.groups, other.groups)]
+        return all((a is None and b is None) or (a is not None and b is not None and a.device == b.device
+                                                and a.shape == b.shape and bool(torch.equal(a, b)))
+                   for a, b in pairs)
+
+    def __hash__(self) -> int:        # consistent with __eq__: equal partitions have equal shapes
+        return hash((tuple(self.widths.shape), self.sigma is None, self.groups is None))
 
     # ------------------------------------------------------------------ basics
     @property
@@ -97,12 +122,51 @@ class Partitions:
         """The same partitions with their tensors on ``device`` (still float64)."""
         if self.widths.device == torch.device(device):
             return self      # no copy, no re-validation (keeps torch.compile graphs whole)
-        sigma = None if self.sigma is None else self.sigma.to(device)
-        return Partitions(self.widths.to(device), self.offsets.to(device), sigma)
+        sigma, groups = (None if x is None else x.to(device) for x in (self.sigma, self.groups))
+        return Partitions(self.widths.to(device), self.offsets.to(device), sigma, groups)
+
+    def select_heads(self, heads) -> "Partitions":
+        """The partitions of some heads (an index, slice or list), groups kept."""
+        idx = [heads] if isinstance(heads, int) else heads
+        pick = (lambda x: None if x is None else x[idx])
+        return Partitions(self.widths[idx], self.offsets[idx], pick(self.sigma), pick(self.groups))
 
     def __repr__(self) -> str:
-        kind = "fixed" if self.sigma is None else "sampled"
+        kind = "fixed" if self.sigma is None else "sampled" if self.groups is None else \
+            f"sampled in {self.num_groups} groups"
         return f"Partitions({kind}, heads={self.num_heads}, samples={self.num_samples}, device={self.device})"
+
+    # ------------------------------------------------------------ groups
+    @property
+    def num_groups(self) -> int:
+        """``G``, the number of independent groups per head (``s`` for i.i.d. masks)."""
+        return self.num_samples if self.groups is None else int(self.groups.max()) + 1
+
+    def group_sizes(self) -> Tensor:
+        """int64 ``[H, G]``: the size ``k_g`` of every group (all ones for i.i.d. masks)."""
+        if self.groups is None:
+            return torch.ones(self.num_heads, self.num_samples, dtype=torch.int64, device=self.device)
+        sizes = torch.zeros(self.num_heads, self.num_groups, dtype=torch.int64, device=self.device)
+        return sizes.scatter_add_(1, self.groups, torch.ones_like(self.groups))
+
+    def effective_groups(self) -> float:
+        """``G_eff = s^2 / sum_g k_g^2``: the number of independent bounded terms that
+        Hoeffding's inequality sees (``M~ = sum_g (k_g/s) X_g``, ``X_g`` in ``[0, 1]``).
+        ``s`` for i.i.d. and stratified masks, ``G`` for groups of equal size."""
+        k = self.group_sizes()[0].to(torch.float64)
+        return float(k.sum() ** 2 / (k * k).sum())
+
+    def group_lattices(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """Per group ``(width, origin, size)``, ``[H, G]`` each: its masks' common
+        width, one point of its boundary lattice ``origin + Z width / size`` (the
+        smallest offset of its masks) and its size. Needs ``groups``."""
+        if self.groups is None:
+            raise ValueError("these partitions have no groups (i.i.d.): draw them with method='grouped'")
+        H, G = self.num_heads, self.num_groups
+        width = torch.zeros(H, G, dtype=torch.float64, device=self.device).scatter_(1, self.groups, self.widths)
+        origin = torch.full((H, G), float("inf"), dtype=torch.float64, device=self.device)
+        origin = origin.scatter_reduce(1, self.groups, self.offsets, "amin")
+        return width, origin, self.group_sizes()
 
     # ---------------------------------------------------------- constructors
     @classmethod
@@ -229,6 +293,29 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
 
 
 
+def group_count(i, j, width, origin, size) -> Tensor:
+    """In how many of a group's ``k = size`` masks positions ``i`` and ``j`` share a block.
+
+    The group's masks share the width ``b`` and their bin boundaries together are the
+    lattice ``origin + Z b / k`` (each point a boundary of exactly one mask, each mask's
+    boundaries ``b`` apart). For ``i < j`` a mask separates them iff one of its
+    boundaries lies in ``(i, j]``, and when ``j - i < b`` it has at most one there, so
+    the count is ``k - #{lattice points in (i, j]}``, and ``0`` when that is negative
+    (``j - i >= b``). ``O(1)`` per pair instead of ``k`` comparisons; equal to counting
+    mask by mask with :func:`block_labels` (tested). Bins of width ``<= 1`` hold one
+    position each (the geometry's convention). Elementwise with broadcasting; returns
+    int64 (``k`` where ``i == j``).
+    """
+    f64 = lambda x: torch.as_tensor(x, dtype=torch.float64)     # noqa: E731
+    i, j, b, c, k = f64(i), f64(j), f64(width), f64(origin), f64(size)
+    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+    safe_b = torch.where(b > 1.0, b, torch.ones_like(b))         # narrow bins: answered below, never divided
+    pts = lattice_points(lo, hi, c, safe_b / k)
+    count = (k.to(torch.int64) - pts).clamp(min=0)
+    apart = (hi - lo >= b) | ((b <= 1.0) & (hi > lo))
+    return torch.where(apart, torch.zeros_like(count), count)
+
+
 def _validate_sigma(sigma) -> Tensor:
     if isinstance(sigma, Tensor):
         pass
@@ -261,7 +348,8 @@ def _validate_seed(seed) -> int:
 
 
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
-                      seed: Optional[int] = None) -> Partitions:
+                      seed: Optional[int] = None, method: str = "iid",
+                      group_size: Union[int, str, None] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
@@ -270,30 +358,44 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
         generator: a CPU ``torch.Generator`` to draw from (exclusive with ``seed``).
         seed: an int seed (exclusive with ``generator``). With neither, the global
             CPU RNG is used.
+        method: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
+            masks, stratified widths) or ``"grouped"`` (groups of shifted grids with
+            stratified widths): every slot is marginally ``b ~ Gamma(2, sigma)``,
+            ``c | b ~ U[0, b)``, so ``E[M~] = L*`` exactly. See :mod:`poslsh.sampling`.
+        group_size: ``"grouped"`` only: the largest group size ``k``, giving
+            ``G = max(2, ceil(s / k))`` groups of nearly equal size; ``None``: ``k = 4``
+            (:data:`~poslsh.sampling.DEFAULT_GROUP_SIZE`); ``"sqrt"``:
+            ``G = max(2, round(sqrt(s)))`` groups.
 
     Returns:
         :class:`Partitions` with ``widths``/``offsets`` of shape ``[H, s]`` (float64)
-        on ``sigma``'s device. Drawing happens on the CPU, so the same seed gives
-        the same partitions on every device.
+        on ``sigma``'s device (``groups`` set unless ``method == "iid"``). Drawing
+        happens on the CPU, so the same seed gives the same partitions on every device.
     """
     sigma = _validate_sigma(sigma)
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    check_sampler(method, group_size)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
     if generator is not None and generator.device.type != "cpu":
         raise ValueError("generator must be a CPU torch.Generator (sampling runs on the CPU for reproducibility)")
     if seed is not None:
         generator = torch.Generator().manual_seed(_validate_seed(seed))
-    H = sigma.numel()
     sig = sigma.detach().to("cpu", torch.float64)
-    # Gamma(2, sigma) = sigma * (E1 + E2) with E ~ Exp(1); 1 - U avoids log(0).
-    u = torch.rand(3, H, num_samples, dtype=torch.float64, generator=generator)
-    widths = -sig[:, None] * (torch.log1p(-u[0]) + torch.log1p(-u[1]))
-    # Clamp to finite widths: sigma near float64's max would overflow to inf (and a NaN
-    # offset); any width beyond 1e300 is one block for every representable sequence.
-    widths = widths.clamp(min=torch.finfo(torch.float64).tiny, max=MAX_WIDTH)
-    offsets = u[2] * widths
     dev = sigma.device
-    return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev))
+    if method == "iid":
+        widths, offsets = draw_iid(sig, num_samples, generator)
+        return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev))
+    widths, offsets, groups = draw_grouped(sig, group_sizes(num_samples, method, group_size), generator)
+    return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev), groups.to(dev))
 
+
+def check_sampler(method, group_size=None, *, name: str = "method") -> None:
+    """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
+    if method not in SAMPLERS:
+        raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
+    if group_size is not None and (method != "grouped" or (group_size != "sqrt" and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1))):
+        raise ValueError(f"group_size must be None, an int >= 1 or 'sqrt' with {name}='grouped', got {group_size!r} "
+                         f"({name}={method!r})")

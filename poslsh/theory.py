@@ -19,7 +19,8 @@ from .partitions import Partitions
 __all__ = [
     "psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_tail_probability",
     "spectral_deviation_bound", "max_norm_tail_probability", "max_norm_deviation_bound",
-    "samples_for_max_norm", "block_size_bound", "runtime_bound", "MaskErrors", "mask_error_norms",
+    "samples_for_max_norm", "grouped_max_norm_tail_probability", "grouped_max_norm_deviation_bound",
+    "max_norm_bound_for", "block_size_bound", "runtime_bound", "MaskErrors", "mask_error_norms",
     "max_norm_error", "spectral_norm_error", "mask_error_matvec", "InstanceStats", "instance_stats",
     "delta_p", "output_error_bound",
     # any positional LSH (paper section 5): N-D ALiBi, other kernels
@@ -99,6 +100,50 @@ def samples_for_max_norm(eps: float, n: int, delta: float) -> int:
     _check_ns(n, 1)
     _check_delta(delta)
     return max(1, math.ceil(math.log(2.0 * n * n / delta) / (2.0 * eps * eps)))
+
+
+# ------------------------------------------- eq. (3) for correlated masks
+def _check_groups_count(n: int, groups: float) -> None:
+    if n < 1 or not (isinstance(groups, (int, float)) and groups >= 1):
+        raise ValueError(f"need n >= 1 and groups >= 1 (independent groups of masks), got n={n}, groups={groups!r}")
+
+
+def grouped_max_norm_tail_probability(eps: float, n: int, groups: float) -> float:
+    """Eq. (3) for masks drawn in ``G`` independent groups (``"grouped"``, ``"stratified"``):
+    ``Pr[||L* - M~||_max >= eps] <= 2 n^2 exp(-2 G eps^2)`` (capped at 1).
+
+    Eq. (3)'s Hoeffding argument needs independent bounded terms, and the masks of a
+    group are dependent, but the groups are independent: ``M~_ij = sum_g (k_g / s) X_g``
+    with ``X_g`` the mean of group ``g``'s masks at ``(i, j)``, in ``[0, 1]``, the ``X_g``
+    independent, and ``E[M~_ij] = L*_ij`` (every mask is marginally exact). Hoeffding's
+    inequality gives ``Pr[|M~_ij - L*_ij| >= eps] <= 2 exp(-2 eps^2 / sum_g (k_g/s)^2)``
+    per entry, i.e. ``2 exp(-2 G eps^2)`` with ``G = s^2 / sum_g k_g^2``
+    (:meth:`~poslsh.partitions.Partitions.effective_groups`: the number of groups when
+    they have equal sizes, ``s`` for independent masks, where this is eq. (3) itself);
+    a union bound over the ``n^2`` entries gives the statement. The price of the
+    correlation is the rate: ``G ~ sqrt(s)`` or ``s / k`` independent terms instead of
+    ``s``, although the measured error is lower (``docs/sampling.md``).
+    """
+    _check_groups_count(n, groups)
+    return min(1.0, 2.0 * n * n * math.exp(-2.0 * groups * eps * eps))
+
+
+def grouped_max_norm_deviation_bound(n: int, groups: float, delta: float) -> float:
+    """The ``eps`` at which :func:`grouped_max_norm_tail_probability` equals ``delta``:
+    ``sqrt(log(2 n^2 / delta) / (2 G))``."""
+    _check_groups_count(n, groups)
+    _check_delta(delta)
+    return math.sqrt(math.log(2.0 * n * n / delta) / (2.0 * groups))
+
+
+def max_norm_bound_for(partitions: Partitions, n: int, delta: float) -> float:
+    """The max-norm deviation bound at confidence ``1 - delta`` that holds for how
+    ``partitions`` were drawn: eq. (3) with ``s`` for i.i.d. masks (no groups), the
+    grouped bound with ``G = partitions.effective_groups()`` otherwise (``= s`` for
+    stratified masks: eq. (3) verbatim)."""
+    if partitions.groups is None:
+        return max_norm_deviation_bound(n, partitions.num_samples, delta)
+    return grouped_max_norm_deviation_bound(n, partitions.effective_groups(), delta)
 
 
 def block_size_bound(sigma: float, s: int, delta: float) -> float:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1] / "poslsh"
 # Lowest floor first. A module may import from its own floor or any floor below it.
 FLOORS: List[Tuple[str, List[str]]] = [
     ("base", ["poslsh._validation", "poslsh.io", "poslsh.timing", "poslsh.threads", "poslsh.seeding"]),
-    ("core math", ["poslsh.alibi", "poslsh.partitions", "poslsh.theory", "poslsh.reference", "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
+    ("core math", ["poslsh.alibi", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference", "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding", "poslsh"]),  # "poslsh" = the package's public face
     ("analysis, data, models", ["poslsh.analysis", "poslsh.data", "poslsh.models"]),
     ("integrations", ["poslsh.integrations"]),

@@ -42,10 +42,14 @@ def test_demo_quick_writes_table_and_figure(tmp_path, capsys):
     t = data["timing"]
     assert t["wall_s"] > 0 and t["cpu_s"] > 0 and (t["warning"] is None) == ("WARNING" not in out)
     rows = data["rows"]
-    assert {r["s"] for r in rows} == {1, 10, 100}
+    assert {r["s"] for r in rows} == {1, 10, 100} and {r["sampler"] for r in rows} == {"iid", "grouped"}
     # more samples, smaller max-norm error (averaged over heads)
     err = {s: sum(r["max_norm"] for r in rows if r["s"] == s) for s in (1, 100)}
     assert err[100] < err[1]
+    # each sampler against its own eq. (3) bound: grouped has fewer independent terms, a larger eps
+    bound = {(r["sampler"], r["s"]): r["max_bound"] for r in rows}
+    assert bound[("grouped", 100)] > bound[("iid", 100)] and bound[("grouped", 1)] == bound[("iid", 1)]
+    assert "error ratio to iid at the same s" in out and "grouped s=100" in out
     assert (tmp_path / "figure1.png").stat().st_size > 10_000
 
 

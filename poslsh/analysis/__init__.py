@@ -18,7 +18,8 @@ from .mask_counts import (CountSnapshot, ExactOutput, approx_output, causal_weig
                           exact_output, mask_max_error, mask_spectral_error, nested_counts)
 from .qkv import (LayerQKV, RealQKV, Segment, attention_geometry, capture_qkv, corpus_segments, decoder_layers,
                   random_segments, real_qkv_or_none)
-from .records import FIT_MIN_S, ROW_FIELDS, cross_check, default_heads, fit_slope, input_records, mask_records
+from .records import (FIT_MIN_S, ROW_FIELDS, cross_check, default_heads, equivalent_samples, fit_slope,
+                      input_records, mask_records, sampler_draws)
 
 __all__ = [
     # qkv
@@ -29,4 +30,5 @@ __all__ = [
     "mask_max_error", "mask_spectral_error", "nested_counts",
     # records
     "FIT_MIN_S", "ROW_FIELDS", "cross_check", "default_heads", "fit_slope", "input_records", "mask_records",
+    "sampler_draws", "equivalent_samples",
 ]

@@ -10,26 +10,29 @@ Q/K/V, and :func:`cross_check` compares the fast routes with the library.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .. import theory
 from ..alibi import alibi_sigmas
-from ..partitions import Partitions
+from ..partitions import Partitions, sample_partitions
+from ..sampling import parse_sampler
+from ..seeding import stable_seed
 from .mask_counts import (approx_output, causal_weights, dense_from_band, exact_output, mask_max_error,
                           mask_spectral_error, nested_counts)
 from .qkv import LayerQKV
 
-__all__ = ["default_heads", "mask_records", "input_records", "cross_check", "fit_slope", "FIT_MIN_S", "ROW_FIELDS"]
+__all__ = ["default_heads", "equivalent_samples", "sampler_draws", "mask_records", "input_records", "cross_check",
+           "fit_slope", "FIT_MIN_S", "ROW_FIELDS"]
 
 # Slopes are fitted on s >= FIT_MIN_S: s >> log n, the asymptotic 1/sqrt(s) regime.
 FIT_MIN_S = 100
 
 # The columns of an :func:`input_records` row (``rows.csv`` of ``poslsh convergence``).
-ROW_FIELDS = ["input", "source", "layer", "head", "kv_head", "sigma", "s", "n", "spectral", "max", "b_max",
-              "t_err", "beta_star", "p_2inf", "v_max"]
+ROW_FIELDS = ["input", "source", "sampler", "layer", "head", "kv_head", "sigma", "s", "groups", "n", "spectral", "max",
+              "b_max", "t_err", "beta_star", "p_2inf", "v_max"]
 
 
 def default_heads(num_heads: int, k: int = 4) -> List[int]:
@@ -54,16 +57,61 @@ def fit_slope(s: Sequence[float], y: Sequence[float], min_s: float = 1) -> Optio
     return float(np.polyfit(x, yy, 1)[0])
 
 
+def equivalent_samples(ref_s: Sequence[float], ref_err: Sequence[float], err: float) -> Tuple[float, bool]:
+    """The sample size at which a reference error curve (mean error of i.i.d. samples at
+    the sizes ``ref_s``) reaches ``err``: log-log linear interpolation between the first
+    two measured points that bracket it; outside the measured range, extrapolated from
+    the nearest end with the asymptotic slope ``-1/2`` (then the flag is True)."""
+    pts = sorted((float(s), float(e)) for s, e in zip(ref_s, ref_err) if e > 0)
+    if not pts or not err > 0:
+        return float("nan"), True
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if e0 >= err >= e1 and e0 > e1:
+            t = math.log(e0 / err) / math.log(e0 / e1)
+            return math.exp(math.log(s0) + t * math.log(s1 / s0)), False
+    s_end, e_end = pts[-1] if err < pts[-1][1] else pts[0]
+    return s_end * (e_end / err) ** 2, True
+
+
+def sampler_draws(sigmas: Sequence[float], samples: Sequence[int], sampler: str,
+                  seed_parts: tuple) -> List[Tuple[List[int], Partitions]]:
+    """The partition draws that measure ``sampler`` at every ``s`` in ``samples``, as
+    ``(sizes, partitions)`` pairs: ``"iid"`` is one draw of ``max(samples)`` whose nested
+    prefixes are the samples (seeded by ``stable_seed(*seed_parts)``, as always); a
+    correlated sampler has no nested prefixes (a prefix of a grouped draw is not a
+    grouped draw), so it gets one independent draw per ``s``, seeded by
+    ``stable_seed(*seed_parts, sampler, s)``."""
+    sig = torch.tensor([float(x) for x in sigmas], dtype=torch.float64)
+    samples = sorted(int(s) for s in samples)
+    method, k = parse_sampler(sampler)
+    if method == "iid":
+        return [(samples, sample_partitions(sig, samples[-1], seed=stable_seed(*seed_parts)))]
+    return [([s], sample_partitions(sig, s, seed=stable_seed(*seed_parts, sampler, s), method=method,
+                                    group_size=k)) for s in samples]
+
+
+def _groups(partitions: Partitions, s: int) -> float:
+    """The independent groups of the sample of size ``s`` (its bound's ``G``)."""
+    if partitions.groups is None:
+        return float(s)
+    if s != partitions.num_samples:
+        raise ValueError(f"correlated partitions have no nested prefixes: got s={s} of {partitions.num_samples}; "
+                         "draw one per s (sampler_draws)")
+    return partitions.effective_groups()
+
+
 def mask_records(partitions: Partitions, n: int, samples: Sequence[int], *, spectral: bool = True,
-                 trial: int = 0) -> List[dict]:
+                 trial: int = 0, sampler: str = "iid") -> List[dict]:
     """``||L* - M~||`` (if ``spectral``), ``||L* - M~||_max`` and ``b_max`` for every
-    head of ``partitions`` (``[H, s_max]``) and every nested sample size: one dict
-    per (head, s) with keys ``trial, head_index, sigma, s, n, spectral, max, b_max``."""
+    head of ``partitions`` (``[H, s_max]``) and every nested sample size (correlated
+    partitions: their own size only): one dict per (head, s) with keys ``trial,
+    sampler, head_index, sigma, s, groups, n, spectral, max, b_max``."""
     rows = []
     for hi in range(partitions.num_heads):
         sigma = float(partitions.sigma[hi])
         for snap in nested_counts(partitions.widths[hi], partitions.offsets[hi], n, samples):
-            rows.append(dict(trial=trial, head_index=hi, sigma=sigma, s=snap.s, n=n,
+            rows.append(dict(trial=trial, sampler=sampler, head_index=hi, sigma=sigma, s=snap.s,
+                             groups=_groups(partitions, snap.s), n=n,
                              spectral=mask_spectral_error(snap, sigma) if spectral else float("nan"),
                              max=mask_max_error(snap, sigma), b_max=snap.width))
     return rows
@@ -71,18 +119,21 @@ def mask_records(partitions: Partitions, n: int, samples: Sequence[int], *, spec
 
 def input_records(qkv: Dict[int, LayerQKV], heads: Sequence[int], sigmas: Sequence[float],
                   samples: Sequence[int], partitions: Partitions, *, index: int = 0, source: str = "",
-                  progress=None, spectral: bool = True, cache: Optional[dict] = None) -> List[dict]:
+                  progress=None, spectral: bool = True, cache: Optional[dict] = None,
+                  sampler: str = "iid") -> List[dict]:
     """All measurements for one input.
 
     Args:
         qkv: ``{layer: LayerQKV}`` of this input (``q [Hq, n, d]``, ``k / v [Hkv, n, d]``).
         heads: query heads; ``sigmas`` their ALiBi bandwidths.
-        samples: sample sizes (nested prefixes of ``partitions``).
+        samples: sample sizes (nested prefixes of ``partitions``; correlated
+            partitions: their own size only, see :func:`sampler_draws`).
         partitions: ``[len(heads), max(samples)]`` partitions (this input's draw).
         progress: called with ``1`` after each head.
         spectral: also compute ``||L* - M~||`` (the costliest mask norm).
         cache: a dict kept across calls on the same ``qkv`` (several draws): the
             attention weights and exact outputs are then computed once.
+        sampler: the name recorded in each row (how ``partitions`` were drawn).
     Returns:
         one dict per (layer, head, s) with the keys :data:`ROW_FIELDS`.
     """
@@ -112,8 +163,9 @@ def input_records(qkv: Dict[int, LayerQKV], heads: Sequence[int], sigmas: Sequen
                 tt = approx_output(weights[layer], v, lower, snap.width)
                 ex = exact[layer]
                 rows.append(dict(
-                    input=index, source=source, layer=layer, head=h, kv_head=qkv[layer].kv_head(h), sigma=sigma,
-                    s=snap.s, n=n, spectral=sp_err, max=mx, b_max=snap.width,
+                    input=index, source=source, sampler=sampler, layer=layer, head=h, kv_head=qkv[layer].kv_head(h),
+                    sigma=sigma, s=snap.s, groups=_groups(partitions, snap.s), n=n, spectral=sp_err, max=mx,
+                    b_max=snap.width,
                     t_err=float((ex.t - tt).abs().max()), beta_star=ex.beta_star, p_2inf=ex.p_2inf,
                     v_max=ex.v_max))
             del lower

@@ -19,6 +19,11 @@ stated confidence ``1 - delta``:
   deterministic step (eqs. 8-14) with the measured ``||L* - M~||_max``, which must
   hold in every trial.
 
+Every check runs for each sampler of ``--samplers`` against that sampler's own bound
+(rows of a correlated sampler say ``[grouped]`` etc.): eq. (3) and Theorem 2.2 with
+its number of independent groups ``G`` in place of ``s`` (i.i.d.: ``G = s``, the
+paper's bounds verbatim), see :mod:`poslsh.experiments.audit_output`.
+
 "Consistent with ``<= delta``": the number of violations among ``T`` trials may
 not exceed the 99.9% quantile of Binomial(``T``, ``delta``); a FAIL therefore
 rejects "violation probability <= delta" at the 0.1% level.
@@ -49,27 +54,23 @@ import torch
 
 from .. import theory
 from ..alibi import alibi_sigmas
-from ..analysis.qkv import attention_geometry, capture_qkv
-from ..analysis.records import FIT_MIN_S, default_heads, fit_slope, input_records, mask_records
+from ..analysis.records import FIT_MIN_S, default_heads, fit_slope, mask_records, sampler_draws
 from ..io import atomic_write_text, csv_text
-from ..partitions import sample_partitions
-from ..seeding import stable_seed
+from ..sampling import parse_sampler
 from ..threads import intra_op_threads
-from .audit_table import (AUTO_ROWS, TABLE_FIELDS, THIS_RUN, format_table, read_convergence_rows,
-                          reused_source, skipped_row, summary_line, table_row)
+from .audit_output import allowed_violations, c3_constant, output_checks, output_trials, units
+from .audit_table import (AUTO_ROWS, TABLE_FIELDS, format_table, read_convergence_rows, reused_source, skipped_row,
+                          summary_line, table_row)
 from .command import Command, ConfigError
-from .model_inputs import (InputsNotAvailable, ModelInputs, check_out_dir, input_segments, is_reference,
-                           load_model, missing_prerequisites, query_heads)
+from .model_inputs import InputsNotAvailable, ModelInputs, check_out_dir, is_reference, missing_prerequisites
 
 __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
            "output_trials", "output_checks", "run", "write", "main", "format_table", "summary_line", "COMMANDS"]
 
-CONFIDENCE_LEVEL = 0.999       # binomial test level for "violation rate <= delta"
-
-
 @dataclass
 class AuditConfig(ModelInputs):
     delta: float = 0.05                                 # confidence: every check is at level 1 - delta
+    samplers: Tuple[str, ...] = ("iid", "grouped")      # each against its own bound (also grouped-k<k>, grouped-sqrt)
     # matrix checks (no model needed)
     num_heads: int = 9                                  # ALiBi slopes for this head count (SmolLM2: 9)
     n_matrix: int = 1024                                # n for the matrix checks
@@ -92,6 +93,13 @@ class AuditConfig(ModelInputs):
         self.check_inputs()
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
+        if not self.samplers or len(set(self.samplers)) != len(self.samplers):
+            raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(self.samplers)}")
+        for spec in self.samplers:
+            try:
+                parse_sampler(spec)
+            except ValueError as e:
+                raise ConfigError(f"--samplers: {e}") from None
         for name in ("num_heads", "n_matrix", "trials", "n_output", "inputs", "draws"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -114,39 +122,38 @@ PRESETS: Dict[str, AuditConfig] = {
 }
 
 
-def allowed_violations(trials: int, delta: float, level: float = CONFIDENCE_LEVEL) -> int:
-    """Largest violation count still consistent with a violation rate ``<= delta``:
-    the ``level`` quantile of Binomial(``trials``, ``delta``)."""
-    cdf = 0.0
-    for k in range(trials + 1):
-        cdf += math.comb(trials, k) * delta ** k * (1.0 - delta) ** (trials - k)
-        if cdf >= level - 1e-12:
-            return k
-    return trials
-
-
-def c3_constant(n: int, delta: float) -> float:
-    """The ``C`` at which Theorem 2.2's ``Delta_P`` (with ``||P||_{2,inf} = 1``)
-    equals eq. (3)'s deviation: ``sqrt(log(2 n^2 / delta) / (2 log(n / delta)))``."""
-    return math.sqrt(math.log(2.0 * n * n / delta) / (2.0 * math.log(n / delta)))
-
-
 # ============================================================ matrix checks
 def matrix_trials(cfg: AuditConfig, sigmas: Sequence[float], progress=None) -> List[dict]:
     """:func:`~poslsh.analysis.records.mask_records` of ``cfg.trials`` independent
-    draws for the bandwidths ``sigmas``: one record per (trial, head, s)."""
+    draws per sampler for the bandwidths ``sigmas``: one record per (trial, sampler, head, s)."""
     rows = []
-    sig = torch.tensor(list(sigmas), dtype=torch.float64)
     for t in range(cfg.trials):
-        parts = sample_partitions(sig, max(cfg.samples), seed=stable_seed("audit-matrix", cfg.seed, t))
-        rows.extend(mask_records(parts, cfg.n_matrix, cfg.samples, trial=t))
+        for sampler in cfg.samplers:
+            for sizes, parts in sampler_draws(sigmas, cfg.samples, sampler, ("audit-matrix", cfg.seed, t)):
+                rows.extend(mask_records(parts, cfg.n_matrix, sizes, trial=t, sampler=sampler))
         if progress is not None:
             progress(1)
     return rows
 
 
 def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> Tuple[List[dict], dict]:
-    """The eq. (3), eq. (4) and spectral-decay rows from :func:`matrix_trials` records."""
+    """The eq. (3), eq. (4) and spectral-decay rows from :func:`matrix_trials` records, per
+    sampler, each against its own bound: eq. (3) with the sampler's independent groups
+    ``G`` (``s`` for i.i.d.); eq. (4) as is (its union bound ``P(b_max > x) <= s P(b > x)``
+    holds for every sampler: a stratum of probability ``k_g / s`` exceeds ``x`` with
+    probability at most ``s / k_g`` times the tail); the spectral slope ``-1/2 +- tol``
+    for i.i.d. masks, at most ``-1/2 + tol`` (no slower) for correlated ones."""
+    table, details = [], {"eq3": [], "eq4": [], "spectral": []}
+    for sampler in dict.fromkeys(r.get("sampler", "iid") for r in rows):
+        sub = [r for r in rows if r.get("sampler", "iid") == sampler]
+        t, d = _matrix_checks(sub, cfg, heads, "" if sampler == "iid" else f" [{sampler}]")
+        table += t
+        for k in details:
+            details[k] += [dict(sampler=sampler, **x) for x in d[k]]
+    return table, details
+
+
+def _matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int], tag: str) -> Tuple[List[dict], dict]:
     n, delta = cfg.n_matrix, cfg.delta
     table, details = [], {"eq3": [], "eq4": [], "spectral": []}
     by = {}
@@ -163,7 +170,7 @@ def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> T
             rs = by[(hi, s)]
             T = len(rs)
             allowed = allowed_violations(T, delta)
-            e3 = theory.max_norm_deviation_bound(n, s, delta)
+            e3 = theory.grouped_max_norm_deviation_bound(n, units(rs[0]), delta)
             v3 = sum(r["max"] > e3 for r in rs)
             q3 = float(np.quantile([r["max"] for r in rs], 1 - delta))
             b4 = theory.block_size_bound(sigma, s, delta)
@@ -184,101 +191,21 @@ def matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int]) -> T
                                             quantile=float(np.quantile(spec, 1 - delta)),
                                             eq1_C1=theory.spectral_expectation_bound(n, s, sigma, 1.0)))
         per_cell = allowed_violations(len(by[(hi, ss[0])]), delta)
-        table.append(table_row("eq. (3) max-norm", subject, f"max ||L*-M~||max / eps3 = {worst3:.3f}",
-                          f"eps3(n={n}, s, delta={delta:g})", trials, viol3, f"{per_cell}/cell", not fail3,
-                          f"{len(ss)} values of s"))
-        table.append(table_row("eq. (4) block size", subject, f"max b_max / bound = {worst4:.3f}",
-                          "1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
+        per = "s" if not tag else "G groups"
+        table.append(table_row(f"eq. (3) max-norm{tag}", subject, f"max ||L*-M~||max / eps3 = {worst3:.3f}",
+                               f"eps3(n={n}, {per}, delta={delta:g})", trials, viol3, f"{per_cell}/cell", not fail3,
+                               f"{len(ss)} values of s"))
+        table.append(table_row(f"eq. (4) block size{tag}", subject, f"max b_max / bound = {worst4:.3f}",
+                               "1 + sigma (3 ln(s/delta) + 2)", trials, viol4, f"{per_cell}/cell", not fail4))
         slope = fit_slope(ss, means, cfg.fit_min_s)
         c1 = max(m / theory.spectral_expectation_bound(n, s, sigma, 1.0) for s, m in zip(ss, means))
-        ok = slope is not None and abs(slope + 0.5) <= cfg.slope_tol
-        table.append(table_row("spectral decay (eq. 1/2)", subject,
-                          "slope n/a" if slope is None else f"slope {slope:+.3f} (s >= {cfg.fit_min_s})",
-                          f"-0.5 +- {cfg.slope_tol:g}", len(by[(hi, ss[0])]), "", "", ok,
-                          f"eq. (1) holds on the means with any C >= {c1:.3g}"))
+        ok = slope is not None and (abs(slope + 0.5) <= cfg.slope_tol if not tag else slope <= -0.5 + cfg.slope_tol)
+        table.append(table_row(f"spectral decay (eq. 1/2){tag}", subject,
+                               "slope n/a" if slope is None else f"slope {slope:+.3f} (s >= {cfg.fit_min_s})",
+                               f"-0.5 +- {cfg.slope_tol:g}" if not tag else f"<= -0.5 + {cfg.slope_tol:g}",
+                               len(by[(hi, ss[0])]), "", "", ok,
+                               f"eq. (1) holds on the means with any C >= {c1:.3g}"))
     return table, details
-
-
-# ============================================================ Theorem 2.2
-def output_trials(cfg: AuditConfig, progress=None) -> Tuple[List[dict], dict]:
-    """Real Q/K/V instances x independent draws; one record per (input, draw, layer, head, s)."""
-    model, tok = load_model(cfg)
-    hq = attention_geometry(model)[0]
-    heads, sigmas = query_heads(cfg, hq)
-    segments = input_segments(cfg, tok, model.config.vocab_size, cfg.inputs, cfg.n_output)
-    rows = []
-    for i, seg in enumerate(segments):
-        qkv = capture_qkv(model, seg.ids, cfg.layers, rope=cfg.rope)
-        cache: dict = {}
-        for dr in range(cfg.draws):
-            parts = sample_partitions(torch.tensor(sigmas, dtype=torch.float64), max(cfg.output_samples),
-                                      seed=stable_seed("audit-output", cfg.seed, i * 1000 + dr))
-            for r in input_records(qkv, heads, sigmas, cfg.output_samples, parts, index=i, source=seg.source,
-                                   spectral=False, cache=cache):
-                r["draw"] = i * cfg.draws + dr
-                rows.append(r)
-            if progress is not None:
-                progress(1)
-    meta = dict(heads=heads, sigmas=sigmas, q_heads=hq, inputs=[s.source for s in segments])
-    return rows, meta
-
-
-def output_checks(rows: List[dict], n: int, delta: float, *, label: str = "",
-                  source: str = THIS_RUN) -> Tuple[List[dict], List[dict]]:
-    """Theorem 2.2 rows (per head) from attention records with fields ``t_err``,
-    ``beta_star``, ``p_2inf``, ``v_max``, ``max``, ``s``, ``draw``; ``source`` says
-    where the records come from."""
-    c3 = c3_constant(n, delta)
-    smin = math.log(n / delta)
-    table, details = [], []
-    heads = sorted({(r["sigma"], r["head"]) for r in rows})
-    for sigma, h in heads:
-        rs = [r for r in rows if r["head"] == h and r["s"] >= smin]
-        if not rs:
-            continue
-        per_draw: Dict[int, float] = {}
-        det_viol = 0
-        c3_viol_draws = set()
-        applicable = 0
-        for r in rs:
-            c, _ = theory.smallest_constant(r["t_err"], r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, r["s"],
-                                            delta)
-            per_draw[r["draw"]] = max(per_draw.get(r["draw"], 0.0), c)
-            # the proof's deterministic step with the measured max-norm error (eqs. 8, 10, 12-14)
-            dm = r["max"]
-            if dm < r["beta_star"] and r["t_err"] > 2 * dm / (r["beta_star"] - dm) * r["v_max"] * (1 + 1e-9) + 1e-12:
-                det_viol += 1
-            b = theory.output_error_bound(r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, r["s"], delta, c3)
-            if math.isfinite(b):
-                applicable += 1
-                if r["t_err"] > b:
-                    c3_viol_draws.add(r["draw"])
-        cs = np.array(list(per_draw.values()))
-        D = len(per_draw)
-        allowed = allowed_violations(D, delta)
-        subject = f"head {h}, sigma={sigma:.3g}"
-        q = float(np.quantile(cs, 1 - delta))
-        table.append(table_row(f"Thm 2.2 output bound{label}", subject,
-                          f"smallest C: q{int(round(100 * (1 - delta)))} {q:.3g}, max {cs.max():.3g}",
-                          f"C3 = {c3:.3f} (from eq. 3)", D, len(c3_viol_draws), allowed,
-                          len(c3_viol_draws) <= allowed,
-                          f"bound finite in {applicable}/{len(rs)} instances; "
-                          f"median beta* {np.median([r['beta_star'] for r in rs]):.2g}", source))
-        ratios = [_det_ratio(r) for r in rs if r["max"] < r["beta_star"]]
-        table.append(table_row(f"Thm 2.2 deterministic step{label}", subject,
-                          f"max err/bound = {max(ratios):.3g}" if ratios else "never applicable",
-                          "eqs. (8)-(14) with measured ||L*-M~||max", len(ratios), det_viol, 0, det_viol == 0,
-                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances", source))
-        details.append(dict(head=h, sigma=sigma, n=n, draws=D, C3=c3, C_quantile=q, C_max=float(cs.max()),
-                            C_median=float(np.median(cs)), c3_violations=len(c3_viol_draws), allowed=allowed,
-                            applicable=applicable, instances=len(rs), deterministic_violations=det_viol))
-    return table, details
-
-
-def _det_ratio(r) -> float:
-    dm = r["max"]
-    b = 2 * dm / (r["beta_star"] - dm) * r["v_max"]
-    return r["t_err"] / b if b > 0 else (0.0 if r["t_err"] == 0 else float("inf"))
 
 
 # ============================================================ run
@@ -299,7 +226,7 @@ def _run(cfg: AuditConfig, log) -> dict:
     sig_all = alibi_sigmas(cfg.num_heads)
     sigmas = [float(sig_all[h]) for h in heads]
     log(f"audit: delta={cfg.delta}, matrix checks n={cfg.n_matrix} x {cfg.trials} trials, heads {heads} "
-        f"(sigma {[round(x, 3) for x in sigmas]}), s {list(cfg.samples)}")
+        f"(sigma {[round(x, 3) for x in sigmas]}), s {list(cfg.samples)}, samplers {list(cfg.samplers)}")
     # said before the matrix trials, so a missing model is news now, not after them
     skip = "not asked for (--skip-output)" if cfg.skip_output else "; ".join(missing_prerequisites(cfg))
     if skip:

@@ -52,7 +52,9 @@ def read_convergence_rows(path: Path) -> Optional[Tuple[List[dict], int]]:
             rec[k] = int(rec[k])
         for k in ("sigma", "spectral", "max", "t_err", "beta_star", "p_2inf", "v_max"):
             rec[k] = float(rec[k])
-        rec["draw"] = rec["input"]          # one independent draw per input there
+        rec["sampler"] = rec.get("sampler") or "iid"       # runs before samplers were measured: i.i.d.
+        rec["groups"] = float(rec["groups"]) if rec.get("groups") else float(rec["s"])
+        rec["draw"] = rec["input"]          # independent draws per input there
         out.append(rec)
     return out, out[0]["n"]
 

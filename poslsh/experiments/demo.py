@@ -1,9 +1,12 @@
 """``poslsh demo``: the main job, on an embedded default.
 
 For the ALiBi heads of a 4-head model at n = 4096 it measures, for
-s in {1, 5, 10, 20, 100}: ||L* - M~|| and ||L* - M~||_max next to the bounds of
-Theorem 2.1, the attention output error ||T* - T~||_max (causal), and the time of
-poslsh against exact ALiBi; then it draws the paper's Figure 1 for one head.
+s in {1, 5, 10, 20, 100} and each sampler of ``--samplers`` side by side (``iid``,
+the paper; ``grouped``: groups of shifted grids, ``docs/sampling.md``):
+||L* - M~|| and ||L* - M~||_max next to the bounds of Theorem 2.1 (eq. (3) with the
+sampler's own number of independent groups), the attention output error
+||T* - T~||_max (causal), and the time of poslsh against exact ALiBi; then it draws
+the paper's Figure 1 for one head.
 
 Timings are what this machine did, nothing promised: the job also measures the
 crossover length (the smallest n of a doubling grid from which poslsh's forward
@@ -18,6 +21,7 @@ results/demo``, and only with SmolLM2 Q/K/V unless ``--qkv random`` says otherwi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from ..alibi import alibi_bias, alibi_sigmas
 from ..attention import poslsh_attention
 from ..io import atomic_write_json
 from ..partitions import sample_partitions
+from ..sampling import parse_sampler
 from ..timing import median_seconds
 from .command import Command, ConfigError
 from .model_inputs import ModelInputs, check_out_dir, is_reference, missing_prerequisites
@@ -48,6 +53,7 @@ class DemoConfig:
     num_heads: int = 4                  # ALiBi heads (random Q/K/V; their sigmas)
     head_dim: int = 64                  # head dimension of random Q/K/V
     samples: Tuple[int, ...] = (1, 5, 10, 20, 100)  # sample sizes s
+    samplers: Tuple[str, ...] = ("iid", "grouped")  # side by side (also stratified, grouped-k<size>, grouped-sqrt)
     delta: float = 0.05                 # confidence for the eq. (3) max-norm bound
     C: float = 1.0                      # the universal constant of eq. (1), shown explicitly
     seed: int = 0                       # seed of random Q/K/V and of the partition draws
@@ -68,6 +74,13 @@ class DemoConfig:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
         if not self.samples or min(self.samples) < 1:
             raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
+        if not self.samplers or len(set(self.samplers)) != len(self.samplers):
+            raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(self.samplers)}")
+        for spec in self.samplers:
+            try:
+                parse_sampler(spec)
+            except ValueError as e:
+                raise ConfigError(f"--samplers: {e}") from None
         if not 0 <= self.figure_head < self.num_heads:
             raise ConfigError(f"--figure-head: must lie in [0, {self.num_heads}), got {self.figure_head}")
         if not 0 < self.delta < 1:
@@ -104,16 +117,17 @@ class DemoRow:
     spectral: float           # ||L* - M~||
     spectral_bound: float     # eq. (1) with constant C
     max_norm: float           # ||L* - M~||_max
-    max_bound: float          # eq. (3) at confidence 1 - delta
+    max_bound: float          # eq. (3) at confidence 1 - delta, with the sampler's independent groups
     output_error: float       # ||T* - T~||_max, causal
+    sampler: str = "iid"      # how the s partitions were drawn
 
 
 @dataclass
 class DemoResult:
     config: dict                                              # the DemoConfig as a dict
     qkv_source: str
-    rows: List[DemoRow] = field(default_factory=list)        # one per (s, head)
-    time_poslsh_ms: dict = field(default_factory=dict)       # s -> median ms of one poslsh call (all heads)
+    rows: List[DemoRow] = field(default_factory=list)        # one per (sampler, s, head)
+    time_poslsh_ms: dict = field(default_factory=dict)       # sampler -> s -> median ms of one poslsh call
     time_exact_ms: float = 0.0                                # median ms of exact ALiBi attention
     crossover: Optional[dict] = None                          # see :func:`crossover`
     timing: dict = field(default_factory=dict)                # CPU vs wall over the timed calls, load, warning
@@ -263,26 +277,29 @@ def run(cfg: DemoConfig, *, progress: Optional[Callable[[str], None]] = None) ->
     watch = Stopwatch()
     with torch.no_grad():
         exact, result.time_exact_ms = _exact(q, k, v, sigma, watch)
-    for s in cfg.samples:
-        parts = sample_partitions(sigma, s, seed=cfg.seed + s)
-        with torch.no_grad():
-            approx = poslsh_attention(q, k, v, parts, causal=True, backend="torch")
-            result.time_poslsh_ms[s] = watch.median_ms(
-                lambda: poslsh_attention(q, k, v, parts, causal=True, backend="torch"))
-        out_err = (exact - approx).abs().amax((0, 2, 3))
-        errs = theory.mask_error_norms(parts, n)
-        max_bound = theory.max_norm_deviation_bound(n, s, cfg.delta)
-        for h in range(H):
-            sg = float(sigma[h])
-            result.rows.append(DemoRow(s, h, sg, float(errs.spectral[h]),
-                                       theory.spectral_expectation_bound(n, s, sg, cfg.C),
-                                       float(errs.max[h]), max_bound, float(out_err[h])))
-        if progress is not None:
-            progress(f"  s={s:<4d} done ({result.time_poslsh_ms[s]:.0f} ms per poslsh call)")
+    for sampler in cfg.samplers:
+        method, size = parse_sampler(sampler)
+        times = result.time_poslsh_ms.setdefault(sampler, {})
+        for s in cfg.samples:
+            parts = sample_partitions(sigma, s, seed=cfg.seed + s, method=method, group_size=size)
+            with torch.no_grad():
+                approx = poslsh_attention(q, k, v, parts, causal=True, backend="torch")
+                times[s] = watch.median_ms(lambda: poslsh_attention(q, k, v, parts, causal=True, backend="torch"))
+            out_err = (exact - approx).abs().amax((0, 2, 3))
+            errs = theory.mask_error_norms(parts, n)
+            max_bound = theory.max_norm_bound_for(parts, n, cfg.delta)
+            for h in range(H):
+                sg = float(sigma[h])
+                result.rows.append(DemoRow(s, h, sg, float(errs.spectral[h]),
+                                           theory.spectral_expectation_bound(n, s, sg, cfg.C),
+                                           float(errs.max[h]), max_bound, float(out_err[h]), sampler))
+            if progress is not None:
+                progress(f"  {sampler} s={s:<4d} done ({times[s]:.0f} ms per poslsh call)")
     del exact, approx
     if cfg.crossover_s:
         s = cfg.crossover_s
-        known = (result.time_poslsh_ms[s], result.time_exact_ms) if s in result.time_poslsh_ms else None
+        first = result.time_poslsh_ms.get("iid", {})
+        known = (first[s], result.time_exact_ms) if s in first else None
         result.crossover = crossover(sigma, s, n, start=cfg.crossover_from, head_dim=q.shape[-1], seed=cfg.seed,
                                      watch=watch, known=known)
         if progress is not None:
@@ -336,20 +353,41 @@ def format_table(res: DemoResult) -> str:
         f"bounds: eq.(1) E||L*-M~|| <= C Psi (sqrt(log n/s) + log n/s) with C={cfg['C']:g}; "
         f"eq.(3) ||L*-M~||_max <= sqrt(log(2n^2/delta)/(2s)) at delta={cfg['delta']:g}",
         "",
-        f"{'s':>4} {'sigma':>6} | {'||L*-M~||':>10} {'eq.(1)':>9} | {'||.||_max':>9} {'eq.(3)':>7} | "
+        f"{'sampler':>10} {'s':>4} {'sigma':>6} | {'||L*-M~||':>10} {'eq.(1)':>9} | {'||.||_max':>9} {'eq.(3)':>7} | "
         f"{'||T*-T~||_max':>13} | {'poslsh ms':>9} {'exact ms':>9} {'speedup':>7}",
     ]
     for r in res.rows:
-        t = res.time_poslsh_ms[r.s]
+        t = res.time_poslsh_ms[r.sampler][r.s]
         timing = f"{t:9.1f} {res.time_exact_ms:9.1f} {_x(res.time_exact_ms / t):>7}" if r.head == 0 else ""
-        lines.append(f"{r.s:4d} {r.sigma:6.0f} | {r.spectral:10.3f} {r.spectral_bound:9.2f} | "
+        lines.append(f"{r.sampler:>10} {r.s:4d} {r.sigma:6.0f} | {r.spectral:10.3f} {r.spectral_bound:9.2f} | "
                      f"{r.max_norm:9.4f} {r.max_bound:7.3f} | {r.output_error:13.4f} | {timing}")
-    return "\n".join(lines + [""] + format_crossover(res))
+    return "\n".join(lines + format_side_by_side(res) + [""] + format_crossover(res))
+
+
+def format_side_by_side(res: DemoResult) -> List[str]:
+    """Each correlated sampler's errors over i.i.d.'s at the same s (geometric mean over heads)."""
+    others = [sp for sp in dict.fromkeys(r.sampler for r in res.rows) if sp != "iid"]
+    if not others or not any(r.sampler == "iid" for r in res.rows):
+        return []
+    by = {(r.sampler, r.s, r.head): r for r in res.rows}
+    lines = ["", "error ratio to iid at the same s (geometric mean over heads; < 1: better):"]
+    for sp in others:
+        for s in sorted({r.s for r in res.rows if r.sampler == sp}):
+            pairs = [(r, by.get(("iid", s, r.head))) for r in res.rows if r.sampler == sp and r.s == s]
+            pairs = [(a, b) for a, b in pairs if b is not None]
+            if not pairs:
+                continue
+            geo = lambda f: math.exp(sum(math.log(max(f(a), 1e-300) / max(f(b), 1e-300))     # noqa: E731
+                                         for a, b in pairs) / len(pairs))
+            lines.append(f"  {sp} s={s}: ||L*-M~|| {geo(lambda r: r.spectral):.2f}x, ||.||_max "
+                         f"{geo(lambda r: r.max_norm):.2f}x, ||T*-T~||_max {geo(lambda r: r.output_error):.2f}x")
+    return lines
 
 
 def main(cfg: DemoConfig) -> int:
     cfg.check()
-    print(f"poslsh demo: n={cfg.n}, s in {list(cfg.samples)}, torch {torch.__version__}, "
+    print(f"poslsh demo: n={cfg.n}, s in {list(cfg.samples)}, samplers {list(cfg.samplers)}, "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     t0 = time.perf_counter()
     res = run(cfg, progress=print)

@@ -50,9 +50,10 @@ def plot_figure1(sigma: float, seed: int, window: int, path) -> Path:
 
 def plot_convergence(result: dict, path) -> Path:
     """The Figure-2 analog: log-log error vs ``s``, one panel per norm (the output
-    error once per layer), one line per head, shaded mean +- std over inputs, and
+    error once per layer), one line per head and sampler (i.i.d. solid and shaded mean
+    +- std over inputs; other samplers dotted / dash-dotted, same colour), and
     Theorem 2.1's bounds as dashed lines (eq. (1) with the constant ``C`` of the
-    run, per head; eq. (3) at confidence ``1 - delta``)."""
+    run, per head; eq. (3) at confidence ``1 - delta``, per sampler)."""
     plt = _pyplot()
     from matplotlib.ticker import LogLocator, NullFormatter
     summary = result["summary"]
@@ -63,6 +64,9 @@ def plot_convergence(result: dict, path) -> Path:
     bounds = result["bounds"]
     C, delta = bounds["C"], bounds["delta"]
     order = sorted(heads, key=lambda h: sigmas[h])
+    samplers = list(cfg.get("samplers") or ["iid"])
+    styles = dict(zip(samplers, ["o-", "s:", "^-.", "v--"]))
+    of = lambda r: r.get("sampler", "iid")       # noqa: E731
     colors = {h: plt.get_cmap("plasma")(x) for h, x in zip(order, np.linspace(0.0, 0.8, len(order)))}
 
     panels = [("spectral", None, r"$\|L^\star-\widetilde{M}\|$"),
@@ -75,8 +79,9 @@ def plot_convergence(result: dict, path) -> Path:
     for ax, (metric, layer, title) in zip(axes, panels):
         lay = first_layer if layer is None else layer      # mask norms do not depend on the layer
         lows = []
-        for h in order:
-            rs = sorted((r for r in summary if r["head"] == h and r["layer"] == lay), key=lambda r: r["s"])
+        for h, sampler in ((h, sp) for sp in samplers for h in order):
+            rs = sorted((r for r in summary if r["head"] == h and r["layer"] == lay and of(r) == sampler),
+                        key=lambda r: r["s"])
             if not rs:
                 continue
             s = np.array([r["s"] for r in rs], dtype=float)
@@ -84,16 +89,20 @@ def plot_convergence(result: dict, path) -> Path:
             sd = np.array([r[f"{metric}_std"] for r in rs])
             lo = np.clip(m - sd, m * 1e-2, None)
             lows.append(m.min())
-            ax.plot(s, m, "o-", color=colors[h], lw=1.6, ms=3.5, label=fr"head {h}, $\sigma$={sigmas[h]:.3g}")
-            ax.fill_between(s, lo, m + sd, color=colors[h], alpha=0.22, lw=0)
-            if metric == "spectral":
-                b = [x for x in bounds["rows"] if abs(x["sigma"] - sigmas[h]) < 1e-9]
+            first = sampler == samplers[0]
+            ax.plot(s, m, styles[sampler], color=colors[h], lw=1.6 if first else 1.2, ms=3.5 if first else 2.5,
+                    label=fr"head {h}, $\sigma$={sigmas[h]:.3g}" if first else None)
+            if first:
+                ax.fill_between(s, lo, m + sd, color=colors[h], alpha=0.22, lw=0)
+            if metric == "spectral" and first:
+                b = [x for x in bounds["rows"] if abs(x["sigma"] - sigmas[h]) < 1e-9 and of(x) == sampler]
                 b.sort(key=lambda x: x["s"])
                 ax.plot([x["s"] for x in b], [x["spectral_eq1"] for x in b], "--", color=colors[h], lw=1.1)
         if metric == "max":
-            b = sorted({(x["s"], x["max_eq3"]) for x in bounds["rows"]})
-            ax.plot([x[0] for x in b], [x[1] for x in b], "--", color="black", lw=1.1,
-                    label=fr"eq. (3), $\delta$={delta:g}")
+            for sampler, grey in zip(samplers, ("black", "dimgray", "gray", "darkgray")):
+                b = sorted({(x["s"], x["max_eq3"]) for x in bounds["rows"] if x.get("sampler", "iid") == sampler})
+                ax.plot([x[0] for x in b], [x[1] for x in b], "--", color=grey, lw=1.1,
+                        label=fr"eq. (3), $\delta$={delta:g}" + (f" ({sampler})" if len(samplers) > 1 else ""))
         if metric == "spectral":
             ax.plot([], [], "--", color="gray", lw=1.1, label=f"eq. (1), C={C:g}")
         ax.set_xscale("log")
@@ -107,8 +116,11 @@ def plot_convergence(result: dict, path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel("error (mean ± std over inputs)")
+    for sampler in samplers[1:] if len(samplers) > 1 else []:
+        axes[0].plot([], [], styles[sampler], color="gray", lw=1.2, ms=2.5, label=f"{sampler} (same colours)")
     axes[0].legend(fontsize=7, loc="lower left")
-    axes[1].legend(handles=[axes[1].get_lines()[-1]], fontsize=7, loc="lower left")
+    axes[1].legend(handles=[ln for ln in axes[1].get_lines() if ln.get_label().startswith("eq.")], fontsize=7,
+                   loc="lower left")
     model = result.get("model", {}).get("name", "")
     fig.suptitle(f"{model}: {len(result.get('inputs', []))} inputs of n={cfg['n']} tokens, "
                  f"{cfg['rope']}-RoPE Q/K/V; shaded: mean ± std over inputs; dashed: Theorem 2.1", fontsize=10)

