@@ -56,13 +56,13 @@ from .. import theory
 from ..alibi import alibi_sigmas
 from ..analysis.records import FIT_MIN_S, default_heads, fit_slope, mask_records, sampler_draws
 from ..io import atomic_write_text, csv_text
-from ..sampling import parse_sampler
 from ..threads import intra_op_threads
 from .audit_output import allowed_violations, c3_constant, output_checks, output_trials, units
 from .audit_table import (AUTO_ROWS, TABLE_FIELDS, format_table, read_convergence_rows, reused_source, skipped_row,
                           summary_line, table_row)
 from .command import Command, ConfigError
-from .model_inputs import InputsNotAvailable, ModelInputs, check_out_dir, is_reference, missing_prerequisites
+from .model_inputs import (InputsNotAvailable, ModelInputs, check_out_dir, check_samplers, is_reference,
+                           missing_prerequisites)
 
 __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
            "output_trials", "output_checks", "run", "write", "main", "format_table", "summary_line", "COMMANDS"]
@@ -93,13 +93,7 @@ class AuditConfig(ModelInputs):
         self.check_inputs()
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
-        if not self.samplers or len(set(self.samplers)) != len(self.samplers):
-            raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(self.samplers)}")
-        for spec in self.samplers:
-            try:
-                parse_sampler(spec)
-            except ValueError as e:
-                raise ConfigError(f"--samplers: {e}") from None
+        check_samplers(self.samplers)
         for name in ("num_heads", "n_matrix", "trials", "n_output", "inputs", "draws"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")

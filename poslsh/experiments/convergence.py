@@ -68,7 +68,7 @@ from ..io import atomic_write_text, csv_text
 from ..sampling import group_sizes, parse_sampler
 from ..threads import intra_op_threads
 from .command import Command, ConfigError
-from .model_inputs import (ModelInputs, check_out_dir, check_prerequisites, input_segments, is_reference,
+from .model_inputs import (ModelInputs, check_samplers, check_out_dir, check_prerequisites, input_segments, is_reference,
                            load_model, query_heads)
 
 __all__ = ["ConvergenceConfig", "ConvergenceResult", "PRESETS", "run", "write", "main", "summarize", "slopes",
@@ -109,13 +109,7 @@ class ConvergenceConfig(ModelInputs):
             raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
-        if not self.samplers or len(set(self.samplers)) != len(self.samplers):
-            raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(self.samplers)}")
-        for spec in self.samplers:
-            try:
-                parse_sampler(spec)
-            except ValueError as e:
-                raise ConfigError(f"--samplers: {e}") from None
+        check_samplers(self.samplers)
         check_out_dir("--out", self.out)
 
 

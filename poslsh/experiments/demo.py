@@ -39,7 +39,7 @@ from ..partitions import sample_partitions
 from ..sampling import parse_sampler
 from ..timing import median_seconds
 from .command import Command, ConfigError
-from .model_inputs import ModelInputs, check_out_dir, is_reference, missing_prerequisites
+from .model_inputs import ModelInputs, check_out_dir, check_samplers, is_reference, missing_prerequisites
 
 __all__ = ["DemoConfig", "DemoRow", "DemoResult", "PRESETS", "Stopwatch", "crossover", "crossover_length",
            "busy_warning", "run", "write", "main", "format_table", "COMMANDS"]
@@ -74,13 +74,7 @@ class DemoConfig:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
         if not self.samples or min(self.samples) < 1:
             raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
-        if not self.samplers or len(set(self.samplers)) != len(self.samplers):
-            raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(self.samplers)}")
-        for spec in self.samplers:
-            try:
-                parse_sampler(spec)
-            except ValueError as e:
-                raise ConfigError(f"--samplers: {e}") from None
+        check_samplers(self.samplers)
         if not 0 <= self.figure_head < self.num_heads:
             raise ConfigError(f"--figure-head: must lie in [0, {self.num_heads}), got {self.figure_head}")
         if not 0 < self.delta < 1:

@@ -176,3 +176,16 @@ def input_segments(cfg: ModelInputs, tokenizer, vocab_size: int, num: int, n: in
         raise InputsNotAvailable(f"no corpus: {corpus_hint(list(cfg.corpora))} ({e})") from e
     except ValueError as e:      # an unknown corpus name, or too few documents of n tokens
         raise ConfigError(f"--corpora / --n: {e}") from e
+
+
+def check_samplers(samplers) -> None:
+    """``--samplers``: one or more distinct sampler names (see :func:`poslsh.sampling.parse_sampler`)."""
+    from ..sampling import parse_sampler
+
+    if not samplers or len(set(samplers)) != len(samplers):
+        raise ConfigError(f"--samplers: give one or more distinct samplers, got {list(samplers)}")
+    for spec in samplers:
+        try:
+            parse_sampler(spec)
+        except ValueError as e:
+            raise ConfigError(f"--samplers: {e}") from None
