@@ -44,7 +44,7 @@ from .torch_plan import (Chunk, RowBounds, Span, TileGroup, choose_tiles, iter_c
                          plan_tiles, row_bounds)
 from .registry import register_backend
 
-def _gather(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
+def gather_rows(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
     """Rows ``idx`` of ``x [B, R, d]`` as ``[B, units, size, d]``. ``F.embedding`` is
     the fastest row gather on CPU (about 3x ``index_select`` along dim 1)."""
     B, rows, d = x.shape
@@ -53,7 +53,7 @@ def _gather(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
     return F.embedding(idx, x.reshape(B * rows, d)).view(B, units, size, d)
 
 
-def _flat(x: Tensor, ct: torch.dtype) -> Tensor:
+def flat_rows(x: Tensor, ct: torch.dtype) -> Tensor:
     B, H, n, d = x.shape
     return x.to(ct).reshape(B, H * n, d)
 
@@ -72,13 +72,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     left uninitialised when ``need_lse`` is False)."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
-    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
+    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)   # + sink row
     lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
     for c in iter_chunks(groups, bounds, shape, ct):
-        Qg = _gather(qf, c.rows, c.units, c.tile)
-        Kg = _gather(kf, c.kv_rows, c.units, c.width)
-        Vg = _gather(vf, c.kv_rows, c.units, c.width)
+        Qg = gather_rows(qf, c.rows, c.units, c.tile)
+        Kg = gather_rows(kf, c.kv_rows, c.units, c.width)
+        Vg = gather_rows(vf, c.kv_rows, c.units, c.width)
         s = _biased_scores(Qg, Kg, c.log_count, scale)
         # Each query shares a block with itself in every sample: no row is all -inf.
         if need_lse:
@@ -98,21 +98,21 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     most of their accuracy."""
     B, Hq, Hkv, n, nk = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.kv_len
     ct = compute_dtype(q.dtype)
-    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
+    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
     # Rows past n read the sink row: dO = 0 and lse = +inf, so their probabilities
     # are exactly 0 and they add nothing to dk, dv (no inf * 0).
-    dof = torch.cat([_flat(dout, ct), zero_row], 1)
+    dof = torch.cat([flat_rows(dout, ct), zero_row], 1)
     lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
     dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
     dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
     for c in iter_chunks(groups, bounds, shape, ct):
         U, T, R = c.units, c.tile, c.width
-        Qg = _gather(qf, c.rows, U, T)
-        Kg = _gather(kf, c.kv_rows, U, R)
-        Vg = _gather(vf, c.kv_rows, U, R)
-        dOg = _gather(dof, c.out_rows, U, T)
+        Qg = gather_rows(qf, c.rows, U, T)
+        Kg = gather_rows(kf, c.kv_rows, U, R)
+        Vg = gather_rows(vf, c.kv_rows, U, R)
+        dOg = gather_rows(dof, c.out_rows, U, T)
         lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
         p = torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
         dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from ..partitions import block_bounds
+from .torch_impl import flat_rows, gather_rows
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
 
@@ -177,19 +178,6 @@ def iter_chunks(groups: List[TileGroup2D], b: GridBounds, shape: AttnShape, ct, 
             yield Chunk(rows.reshape(-1), out_rows, kv_rows, count, U, T, R)
 
 
-def _gather(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
-    """Rows ``idx`` of ``x [B, rows, d]`` as ``[B, units, size, d]`` (``index_select`` along dim 0)."""
-    B, rows, d = x.shape
-    if B > 1:
-        idx = (idx[None] + rows * torch.arange(B, device=idx.device)[:, None]).reshape(-1)
-    return x.reshape(B * rows, d).index_select(0, idx).view(B, units, size, d)
-
-
-def _flat(x: Tensor, ct: torch.dtype) -> Tensor:
-    B, H, n, d = x.shape
-    return x.to(ct).reshape(B, H * n, d)
-
-
 def _scores(Qg: Tensor, Kg: Tensor, scale: float) -> Tensor:
     """``scale * Q K^T`` as ``[B, U, T, R]``."""
     return torch.matmul(Qg, Kg.transpose(-1, -2)).mul_(scale)
@@ -226,12 +214,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup2D], b: GridB
     ``lse_i = log sum_j count_ij exp(s_ij)``."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
-    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
+    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)    # + sink row
     lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
     for c in iter_chunks(groups, b, shape, ct, B):
-        Qg = _gather(qf, c.rows, c.units, c.tile)
-        Kg, Vg = _gather(kf, c.kv_rows, c.units, c.width), _gather(vf, c.kv_rows, c.units, c.width)
+        Qg = gather_rows(qf, c.rows, c.units, c.tile)
+        Kg, Vg = gather_rows(kf, c.kv_rows, c.units, c.width), gather_rows(vf, c.kv_rows, c.units, c.width)
         # Each query shares a box with itself in every sample: every row has a weight > 0.
         w, m, denom = _weights(Qg, Kg, c.count, scale)
         lse.index_copy_(1, c.out_rows, (m + denom.log()).reshape(B, -1))
@@ -245,18 +233,18 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups:
     recomputed probabilities (a query's whole key box lies in its one tile)."""
     B, Hq, Hkv, n = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
-    qf, kf, vf = _flat(q, ct), _flat(k, ct), _flat(v, ct)
+    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
     # Cells outside the grid read the sink row: dO = 0 and lse = +inf, so p = 0 exactly.
-    dof = torch.cat([_flat(dout, ct), zero_row], 1)
+    dof = torch.cat([flat_rows(dout, ct), zero_row], 1)
     lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
     dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
     dk = torch.zeros(B, Hkv * n, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * n, shape.v_dim, dtype=ct, device=q.device)
     for c in iter_chunks(groups, b, shape, ct, B):
         U, T, R = c.units, c.tile, c.width
-        Qg, Kg, Vg = _gather(qf, c.rows, U, T), _gather(kf, c.kv_rows, U, R), _gather(vf, c.kv_rows, U, R)
-        dOg = _gather(dof, c.out_rows, U, T)
+        Qg, Kg, Vg = gather_rows(qf, c.rows, U, T), gather_rows(kf, c.kv_rows, U, R), gather_rows(vf, c.kv_rows, U, R)
+        dOg = gather_rows(dof, c.out_rows, U, T)
         # p = count exp(s - lse); where count > 0, s - lse <= -log count <= 0, so clamping at 0
         # only touches keys with count 0 (no inf * 0).
         lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
