@@ -215,3 +215,34 @@ def test_double_backward_matches_reference(causal):
     print(f"causal={causal}: gradient-penalty d/dk, d/dv errors {errs} (largest true value "
           f"{float(ref[0].abs().max()):.2f})")
     assert max(errs) < 1e-10
+
+
+def test_single_thread_when_the_cpu_is_oversubscribed(monkeypatch):
+    """On a busy CPU the call runs on one intra-op thread (barriers of many small parallel
+    regions wait for descheduled threads otherwise) and restores the thread count after;
+    the result is the same."""
+    from poslsh.ops import torch_impl
+
+    seen = []
+    real = torch_impl.torch_attention_fwd
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(torch_impl, "torch_attention_fwd", spy)
+    q, k, v = make_qkv(1, 4, 2, 97, 8, seed=1)
+    P = alibi_partitions(4, 3, seed=2)
+    with torch_impl_threads(2):
+        monkeypatch.setattr(torch_impl, "cpu_oversubscribed", lambda: True)
+        busy = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
+        after = torch.get_num_threads()
+        monkeypatch.setattr(torch_impl, "cpu_oversubscribed", lambda: False)
+        quiet = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
+    print(f"threads seen by the op: busy {seen[0]}, quiet {seen[1]}; restored to {after}")
+    assert seen == [1, 2] and after == 2 and torch.equal(busy, quiet)
+
+
+def torch_impl_threads(n):
+    from poslsh.threads import intra_op_threads
+    return intra_op_threads(n)
