@@ -41,7 +41,6 @@ from torch import Tensor
 from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
 from ..threads import intra_op_threads
-from . import torch_plan
 from .torch_plan import (Chunk, RowBounds, Span, TileGroup, choose_tiles, iter_chunks,  # noqa: F401
                          plan_tiles, row_bounds)
 from .registry import register_backend
@@ -136,7 +135,7 @@ def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shap
     """The forward for a few query rows (``n <= FEW_QUERIES``): every head's rows against the
     union of their blocks, counts by comparing with the rows' block bounds. ``O(H n R (d + s))``
     for key ranges of ``R`` keys, no tile plan. Same ``out``/``lse`` as :func:`forward`."""
-    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
+    Hq, n = shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     start, end = bounds.start, bounds.end                                     # [H, n, s] key rows
     dev = start.device

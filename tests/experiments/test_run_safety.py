@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from poslsh.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoi
 from poslsh.experiments.lm.config import run_dir  # noqa: E402
 from poslsh.experiments.lm.loop import train  # noqa: E402
 
-from test_train import REPO, final_params, tiny_cfg  # noqa: E402
+from test_train import REPO, tiny_cfg  # noqa: E402
 
 
 def _steps(run):
