@@ -89,7 +89,7 @@ class EvalCommand(TrainConfig):
 
 @dataclass
 class TableCommand(TrainConfig):
-    results_dir: str = "results"      # table.md/csv/json go to <results_dir>/<preset>/
+    results_dir: str = "outputs"      # table.md/csv/json go to <results_dir>/<preset>/ (results: the committed reference)
     dry_run: bool = False             # time a few steps per method and print an estimate; train nothing
     aggregate_only: bool = False      # only tabulate finished runs
     jobs: int = 1                     # runs trained in parallel (subprocesses with cpu_count/jobs threads each)
