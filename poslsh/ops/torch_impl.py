@@ -32,7 +32,7 @@ custom ops (see the end of this file).
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -89,15 +89,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-             groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, scale: float):
-    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``.
+def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks: Iterable,
+                   shape: AttnShape, scale: float, probabilities: Callable) -> Tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward over ``chunks`` (anything with ``rows, out_rows, kv_rows,
+    units, tile, width``), shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
+    lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved ``lse``.
 
     ``delta_i = sum_k P_ik dP_ik`` (flash-attention's ``rowsum(dO * O)``) is computed from
     the recomputed probabilities in the compute dtype: a row's whole key range lies in
     one tile, and the output rounded to 16 bits would cost low-precision gradients
     most of their accuracy."""
-    B, Hq, Hkv, n, nk = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.kv_len
+    B, Hq, Hkv, n, nk = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, k.shape[2]
     ct = compute_dtype(q.dtype)
     qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
@@ -108,21 +110,29 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
     dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, bounds, shape, ct):
+    for c in chunks:
         U, T, R = c.units, c.tile, c.width
         Qg = gather_rows(qf, c.rows, U, T)
         Kg = gather_rows(kf, c.kv_rows, U, R)
         Vg = gather_rows(vf, c.kv_rows, U, R)
         dOg = gather_rows(dof, c.out_rows, U, T)
-        lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
-        p = torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
+        p = probabilities(Qg, Kg, c, lse_f.index_select(1, c.out_rows).view(B, U, T, 1))
         dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
         dp = torch.matmul(dOg, Vg.transpose(-1, -2))
         ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)
         dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
         dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
-    dq = dq[:, :-1]
-    return dq.view_as(q).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+    return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
+             groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, scale: float):
+    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``."""
+    def probabilities(Qg, Kg, c, lse_g):
+        return torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
+
+    chunks = iter_chunks(groups, bounds, shape, compute_dtype(q.dtype))
+    return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities)
 
 
 # Query rows per head up to which one dense pass over each head's key range beats the tile

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from ..partitions import block_bounds
-from .torch_impl import flat_rows, gather_rows
+from .torch_impl import flat_rows, gather_rows, tiled_backward
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
 
@@ -229,32 +229,15 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup2D], b: GridB
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups: List[TileGroup2D],
              b: GridBounds, shape: AttnShape, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``; ``rowsum(P * dP)`` from the
-    recomputed probabilities (a query's whole key box lies in its one tile)."""
-    B, Hq, Hkv, n = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen
-    ct = compute_dtype(q.dtype)
-    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
-    zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
-    # Cells outside the grid read the sink row: dO = 0 and lse = +inf, so p = 0 exactly.
-    dof = torch.cat([flat_rows(dout, ct), zero_row], 1)
-    lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
-    dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
-    dk = torch.zeros(B, Hkv * n, shape.head_dim, dtype=ct, device=q.device)
-    dv = torch.zeros(B, Hkv * n, shape.v_dim, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, b, shape, ct, B):
-        U, T, R = c.units, c.tile, c.width
-        Qg, Kg, Vg = gather_rows(qf, c.rows, U, T), gather_rows(kf, c.kv_rows, U, R), gather_rows(vf, c.kv_rows, U, R)
-        dOg = gather_rows(dof, c.out_rows, U, T)
+    """``dq, dk, dv`` by tile-wise recomputation with the saved ``lse`` (the torch backend's
+    :func:`~poslsh.ops.torch_impl.tiled_backward`; a query's whole key box lies in its one tile)."""
+    def probabilities(Qg, Kg, c, lse_g):
         # p = count exp(s - lse); where count > 0, s - lse <= -log count <= 0, so clamping at 0
         # only touches keys with count 0 (no inf * 0).
-        lse_g = lse_f.index_select(1, c.out_rows).view(B, U, T, 1)
-        p = _scores(Qg, Kg, scale).sub_(lse_g).clamp_max_(0).exp_().mul_(c.count)
-        dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
-        dp = torch.matmul(dOg, Vg.transpose(-1, -2))
-        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)
-        dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
-        dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
-    return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+        return _scores(Qg, Kg, scale).sub_(lse_g).clamp_max_(0).exp_().mul_(c.count)
+
+    chunks = iter_chunks(groups, b, shape, compute_dtype(q.dtype), shape.batch)
+    return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities)
 
 
 # ------------------------------------------------------------------ custom ops
