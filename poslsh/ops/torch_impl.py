@@ -41,8 +41,7 @@ from torch import Tensor
 from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
 from ..threads import intra_op_threads
-from .torch_plan import (Chunk, RowBounds, Span, TileGroup, choose_tiles, iter_chunks,  # noqa: F401
-                         plan_tiles, row_bounds)
+from .torch_plan import RowBounds, Span, TileGroup, choose_tiles, iter_chunks, plan_tiles, row_bounds
 from .registry import register_backend
 
 def gather_rows(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
