@@ -59,6 +59,13 @@ QUICK_NS = [4096, 32768, 131072]
 BWD_FACTOR = 3.5          # FlashAttention convention: backward = 2.5x forward FLOPs
 
 
+def _partitions(sigmas, args) -> "poslsh.Partitions":
+    """The benchmark's partitions: ``args.samples`` per head from ``args.sampler``."""
+    from poslsh.sampling import parse_sampler
+    method, group_size = parse_sampler(args.sampler)
+    return poslsh.sample_partitions(sigmas, args.samples, seed=args.seed, method=method, group_size=group_size)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"n in {QUICK_NS}, fewer repetitions")
@@ -68,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--sampler", default="iid", help="iid, stratified, grouped, grouped-k<size> or grouped-sqrt "
+                   "(grouped: the label-compare path counts a group of shifted grids at a time)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default causal)")
     p.add_argument("--window-sigmas", type=float, default=10.0, help="window of alibi-window, in sigma_h")
@@ -149,7 +158,7 @@ def write_png(res: Results, path: str, args) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("time (ms)")
-        ax.set_title(f"{mode}: {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples}"
+        ax.set_title(f"{mode}: {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples} {args.sampler}"
                      f"{', causal' if not args.no_causal else ''}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -170,7 +179,7 @@ class Bench:
         self.H, self.d = args.heads, args.head_dim
         self.slopes = poslsh.alibi_slopes(self.H, dtype=torch.float32, device=self.dev)
         self.sigmas = poslsh.alibi_sigmas(self.H)
-        self.parts = poslsh.sample_partitions(self.sigmas, args.samples, seed=args.seed).to(self.dev)
+        self.parts = _partitions(self.sigmas, args).to(self.dev)
         self.fixed = poslsh.Partitions.fixed_blocks(self.H, args.fixed_block, device=self.dev)
         self._flex = None
 
@@ -376,7 +385,7 @@ def check_targets(res: Results, args) -> None:
 def write_md(res: Results, path: str, args) -> None:
     """One markdown table: ms per method, fwd and fwd+bwd, and triton's speed-up."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    lines = [f"{name}; {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples}, "
+    lines = [f"{name}; {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples} {args.sampler}, "
              f"{'causal' if not args.no_causal else 'non-causal'}; median ms (triton.testing.do_bench)", "",
              "| n | mode | " + " | ".join(args.methods) + " | exact / triton | triton / window |",
              "|---|---|" + "---|" * (len(args.methods) + 2)]
@@ -403,23 +412,28 @@ WARM_VARIANTS = [
     ("float16", 64, 64, True, 256, {}), ("float32", 64, 64, True, 256, {}),
     ("bfloat16", 80, 96, True, 777, {}), ("bfloat16", 128, 128, True, 256, {"POSLSH_TRITON_TMA": "0"}),
     ("bfloat16", 128, 128, True, 256, {"POSLSH_TRITON_SPLIT": "0"}),
+    # grouped partitions (lattice counts): the timings at s = 20 and test_gpu_grouped_partitions
+    ("bfloat16", 128, 128, True, 256, {"sampler": "grouped"}), ("float32", 64, 64, True, 1025, {"sampler": "grouped"}),
+    ("bfloat16", 64, 64, True, 1025, {"sampler": "grouped"}),
 ]
 
 
 def _warm_one(spec) -> str:
     dtype, d, dv, causal, n, env = spec
+    env = dict(env)
+    sampler = env.pop("sampler", "iid")
     os.environ.update(env)
     os.environ.setdefault("POSLSH_TRITON_AUTOTUNE", "0")
     t0 = time.time()
     import poslsh as P
-    parts = P.sample_partitions(P.alibi_sigmas(4), 10, seed=0).to("cuda")
+    parts = P.sample_partitions(P.alibi_sigmas(4), 10, seed=0, method=sampler).to("cuda")
     dt = getattr(torch, dtype)
     q = torch.randn(1, 4, n, d, device="cuda", dtype=dt, requires_grad=True)
     k = torch.randn(1, 2, n, d, device="cuda", dtype=dt, requires_grad=True)
     v = torch.randn(1, 2, n, dv, device="cuda", dtype=dt, requires_grad=True)
     P.poslsh_attention(q, k, v, parts, causal=causal, backend="triton").float().sum().backward()
     torch.cuda.synchronize()
-    return f"{dtype} d={d} dv={dv} causal={causal} n%16={n % 16} {env or ''}: {time.time() - t0:.0f} s"
+    return f"{dtype} d={d} dv={dv} causal={causal} n%16={n % 16} {sampler} {env or ''}: {time.time() - t0:.0f} s"
 
 
 def warm(args) -> int:
@@ -445,7 +459,7 @@ def check(args) -> int:
     n, H, d = 4096, args.heads, args.head_dim
     causal = not args.no_causal
     dev = torch.device("cuda")
-    parts = poslsh.sample_partitions(poslsh.alibi_sigmas(H), args.samples, seed=args.seed).to(dev)
+    parts = _partitions(poslsh.alibi_sigmas(H), args).to(dev)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     q, k, v, dout = (torch.randn(1, H, n, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(4))
 
@@ -510,7 +524,7 @@ def main(argv=None) -> int:
         return check(args)
     bench = Bench(args)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"config: {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples}, "
+    print(f"config: {args.dtype}, B={args.batch}, H={args.heads}, d={args.head_dim}, s={args.samples} {args.sampler}, "
           f"causal={not args.no_causal}, n={args.n}")
     res = Results()
     for n in args.n:

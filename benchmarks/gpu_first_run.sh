@@ -14,7 +14,9 @@
 #   4  timings     200   n = 131072 and 32768, bf16, 16 ALiBi heads, d = 128, s = 10, causal, fwd and
 #                        fwd+bwd: poslsh triton vs FlexAttention 10-sigma window, SDPA flash (no bias),
 #                        FlexAttention exact ALiBi (score_mod); one markdown table (autotuning off)
-# Total limit 470 s. Logs and results go to $OUT when it is set (else outputs/gpu_first_run/).
+#   5  grouped      60   the same kernel at n = 131072, s = 20, grouped partitions (lattice counts)
+#   6  iid20        60   ... and i.i.d. partitions at s = 20: the two tables side by side
+# Total limit 590 s. Logs and results go to $OUT when it is set (else outputs/gpu_first_run/).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PWD}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -49,8 +51,14 @@ stage check 60 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --check
 stage timings 200 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --n 131072 32768 \
   --methods poslsh-triton alibi-window sdpa-dense alibi-flex --rep-ms 25 \
   --csv "$DEST/bench_gpu.csv" --png /tmp/poslsh_bench_gpu.png --md "$DEST/bench_gpu.md"
+stage grouped 60 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --n 131072 --methods poslsh-triton \
+  --samples 20 --sampler grouped --rep-ms 25 --csv "$DEST/bench_gpu_grouped.csv" --png /tmp/poslsh_bench_gpu_g.png \
+  --md "$DEST/bench_gpu_grouped.md"
+stage iid20 60 env POSLSH_TRITON_AUTOTUNE=0 $PY benchmarks/bench_gpu.py --n 131072 --methods poslsh-triton \
+  --samples 20 --rep-ms 25 --csv "$DEST/bench_gpu_iid20.csv" --png /tmp/poslsh_bench_gpu_i.png \
+  --md "$DEST/bench_gpu_iid20.md"
 
 echo "=== total $(( $(date +%s) - START ))s; table: $DEST/bench_gpu.md" | tee -a "$SUMMARY"
 cat "$SUMMARY"
-[ -f "$DEST/bench_gpu.md" ] && cat "$DEST/bench_gpu.md"
+for f in bench_gpu bench_gpu_iid20 bench_gpu_grouped; do [ -f "$DEST/$f.md" ] && cat "$DEST/$f.md"; done
 exit 0

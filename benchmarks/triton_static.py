@@ -36,7 +36,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 PTR = {"Q", "K", "V", "Out", "DO", "DK", "DVt", "DQ"}
-I32_PTR = {"IDS", "GRAN", "ORDER"}
+I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ"}
 F32_PTR = {"LSE", "DELTA"}
 FLOATS = {"qk_scale", "sm_scale", "log2S"}
 
@@ -107,11 +107,13 @@ def section_compile(args) -> bool:
     d = args.head_dim
     print(f"\n== compile for sm_90 (triton {triton.__version__}): d = {d}, causal, TMA loads, any s "
           f"(runtime sample loop), R_MAX = {_config.R_MAX}; smem limit {limit // 1024} KiB ==")
-    print("path 1: one-hot count programs, path 2: label-compare programs (two launches); path 0: one kernel with both")
+    print("path 1: one-hot count programs, path 2: label-compare programs (two launches); path 0: one kernel with "
+          "both; L: grouped partitions (lattice counts)")
     print(f"{'kernel':>6} {'dtype':>5} {'BM x BN/warps/stages':>32} {'path':>4} {'regs':>5} {'spill st/ld (B)':>16} "
           f"{'smem KiB':>9} {'model KiB':>9} {'pruned':>7} {'compile s':>9}")
     dtypes = ["bf16"] if args.quick else ["bf16", "fp32"]
-    paths = [int(x) for x in args.paths.split(",")]
+    # "2L": the label-compare path for grouped partitions (lattice counts, LATTICE=True)
+    paths = [(int(x.rstrip("L")), x.endswith("L")) for x in args.paths.split(",")]
     for dt in dtypes:
         for name, fn in fns.items():
             configs = _config.CONFIGS[name][:1] if args.quick else _config.CONFIGS[name] + [_config.FALLBACK[name]]
@@ -125,14 +127,15 @@ def section_compile(args) -> bool:
                     print(f"{name:>6} {dt:>5} {cfg:>32} {'-':>4} {'-':>5} {'-':>16} {'-':>9} {est / 1024:>9.0f} "
                           f"{'yes':>7} {'-':>9}", flush=True)
                     continue
-                for path in paths:
+                for path, lattice in paths:
                     consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, R_MAX=_config.R_MAX,
                                   SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32x3" if dt == "fp32" else "tf32",
-                                  BLOCK_M=bm, BLOCK_N=bn)
+                                  BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice)
+                    label = f"{path}{'L' if lattice else ''}"
                     try:
                         r = compile_sm90(fn, _types(fn, dt), consts, c.num_warps, c.num_stages, _aligned(fn))
                     except Exception as e:  # noqa: BLE001 - reported, and a failure
-                        print(f"{name:>6} {dt:>5} {cfg:>32} {path:>4} FAILED: {type(e).__name__}: "
+                        print(f"{name:>6} {dt:>5} {cfg:>32} {label:>4} FAILED: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120]}", flush=True)
                         ok = ok and pruned
                         continue
@@ -140,7 +143,7 @@ def section_compile(args) -> bool:
                     bad = (not pruned) and (r["smem"] > (limit if fallback else est)
                                             or (path and dt != "fp32" and r["spill_st"] > args.max_spill))
                     ok = ok and not bad
-                    print(f"{name:>6} {dt:>5} {cfg:>32} {path:>4} {r['regs']:>5} {r['spill_st']:>7}/{r['spill_ld']:<8} "
+                    print(f"{name:>6} {dt:>5} {cfg:>32} {label:>4} {r['regs']:>5} {r['spill_st']:>7}/{r['spill_ld']:<8} "
                           f"{r['smem'] / 1024:>9.1f} {est / 1024:>9.0f} {'yes' if pruned else 'no':>7} "
                           f"{r['secs']:>9.1f}{'  <-- check' if bad else ''}", flush=True)
     fn = mod._plan_kernel
@@ -299,7 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=131072)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--samples", type=int, default=10)
-    p.add_argument("--paths", default="1,2", help="PATH values to compile (0: both counts in one kernel)")
+    p.add_argument("--paths", default="1,2,2L", help="PATH values to compile (0: both counts in one kernel; a "
+                   "trailing L: with lattice counts, as for grouped partitions)")
     args = p.parse_args(argv)
     if not (args.compile or args.launches or args.designs):
         args.compile = args.launches = args.designs = True

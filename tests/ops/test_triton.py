@@ -356,7 +356,7 @@ def test_configs_pruned_by_shared_memory():
 def test_default_configs_compile_for_sm90(name):
     """Compile-only (no GPU): the first configuration of each kernel lowers for sm_90 with the
     installed triton, needs no more shared memory than the pruning model says and spills
-    little (bf16, d = 128, both count paths). ~5 s per kernel on 2 cores; the forward runs by
+    little (bf16, d = 128, both count paths, the compare path also with lattice counts). ~5 s per kernel on 2 cores; the forward runs by
     default, dk/dv and dq with ``-m slow``; benchmarks/triton_static.py compiles them all."""
     import sys
     from pathlib import Path
@@ -366,12 +366,12 @@ def test_default_configs_compile_for_sm90(name):
     fn = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
     c = _config.CONFIGS[name][0]
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-    for path in (1, 2):
+    for path, lattice in ((1, False), (2, False), (2, True)):
         consts = dict(CAUSAL=True, D=128, DV=128, HEAD_DIM=128, HEAD_DV=128, USE_TMA=True, R_MAX=_config.R_MAX,
-                      SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn)
+                      SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice)
         r = triton_static.compile_sm90(fn, triton_static._types(fn, "bf16"), consts, c.num_warps, c.num_stages,
                                        triton_static._aligned(fn))
-        print(name, path, r)
+        print(name, path, "lattice" if lattice else "", r)
         assert r["smem"] <= _config.smem_estimate(name, bm, bn, c.num_stages, 128, 128, 2)
         assert r["spill_st"] <= 1024
 
@@ -382,7 +382,7 @@ def test_grid_is_one_axis(monkeypatch):
     seen = []
     monkeypatch.setattr(_launch, "_launch", lambda name, kernel, grid, args, meta, t: seen.append(
         (name, grid(meta) if callable(grid) else grid)))
-    monkeypatch.setattr(_launch, "get_plan", lambda w, c, n, g: _plan.Plan(torch.zeros(1, dtype=torch.int32),
+    monkeypatch.setattr(_launch, "get_plan", lambda w, c, n, g, groups=None: _plan.Plan(torch.zeros(1, dtype=torch.int32),
                                                                           torch.zeros(2, 1, dtype=torch.int32),
                                                                           torch.zeros(1, dtype=torch.int32)))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -612,3 +612,72 @@ def test_double_backward_is_a_clear_error(interpret):
     out = poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="triton")
     with pytest.raises(RuntimeError, match="double backward.*backend='torch'"):
         torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+
+
+# ---------------------------------------------------------------- grouped partitions
+def _grouped_partitions(s=10, seed=3):
+    """Grouped partitions whose heads range from widths <= 1 (one position per block) to
+    blocks longer than the sequence: groups of 4, 3, 3 shifted grids per head."""
+    sig = torch.tensor([0.3, 1.5, 6.0, 40.0, 400.0, 1e6], dtype=torch.float64)
+    return poslsh.sample_partitions(sig, s, seed=seed, method="grouped")
+
+
+@pytest.mark.parametrize("n", [1, 2, 97, 300])
+def test_lattice_index_counts_like_every_sample(n):
+    """The plan's lattice indices give each group's count as ``max(0, k - |lat_i - lat_j|)``;
+    summed over the groups this is the per-sample count of the core geometry, every pair."""
+    parts = _grouped_partitions()
+    lat, ksz = _plan.lattice_index(parts.widths, parts.offsets, parts.groups, n)
+    assert lat.shape == (6, parts.num_groups, n) and lat.dtype == torch.int32
+    diff = (lat[..., :, None] - lat[..., None, :]).abs().long()                     # [H, G, n, n]
+    count = (ksz[..., None, None].long() - diff).clamp(min=0).sum(1)
+    want = parts.dense_count(n).long()
+    print(f"n={n}: groups {parts.num_groups}, pairs differing {(count != want).sum().item()}")
+    assert torch.equal(count, want)
+
+
+@pytest.mark.parametrize("n,causal", [(1, False), (2, True), (97, True), (97, False),
+                                      pytest.param(1025, True, marks=pytest.mark.slow)])
+def test_interpreter_grouped_partitions(interpret, n, causal):
+    """Grouped partitions on the Triton kernels: the label-compare path counts a group at a
+    time from the lattice (forced for every program with R_MAX = 8 < s), the default mixes it
+    with the one-hot path; GQA 6/2 heads, batch 2, forward and backward vs the oracle."""
+    parts = _grouped_partitions()
+    q, k, v = _qkv(2, 6, 2, n, 16, dtype=torch.float32, seed=n)
+    _set_tiles(interpret, 32, 32)
+    for r_max in (8, 32):
+        interpret.setitem(_launch.ONEHOT_MAX, "r_max", r_max)
+        _check(q, k, v, parts, causal, FP32_TOL, f"grouped n={n} causal={causal} R_MAX={r_max}")
+    plan = _launch.get_plan(parts.widths, parts.offsets, n, 3, parts.groups)
+    assert plan.lat is not None and plan.lat.shape[1] == parts.num_groups == 3
+
+
+def test_interpreter_grouped_count_reads_the_lattice(interpret):
+    """The compare path really counts from the lattice: a corrupted lattice index in the
+    cached plan changes the output (and the i.i.d. plan of the same masks has none)."""
+    n = 64
+    parts = _grouped_partitions()
+    q, k, v = _qkv(1, 6, 2, n, 16, dtype=torch.float32, seed=2)
+    _set_tiles(interpret, 32, 32)
+    interpret.setitem(_launch.ONEHOT_MAX, "r_max", 8)
+    _plan.CACHE.clear()
+    good = poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="triton")
+    plan = _launch.get_plan(parts.widths, parts.offsets, n, 3, parts.groups)
+    plan.lat[3].mul_(2)                                       # the sigma = 40 head: blocks of ~80
+    bad = poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="triton")
+    print(f"corrupted lattice: head 3 changes by {(bad - good)[:, 3].abs().max():.3e}, others by "
+          f"{(bad - good)[:, [0, 1, 2, 4, 5]].abs().max():.3e}")
+    assert (bad - good)[:, 3].abs().max() > 1e-3 and torch.equal(bad[:, [0, 1, 2, 4, 5]], good[:, [0, 1, 2, 4, 5]])
+    iid = Partitions(parts.widths, parts.offsets, parts.sigma)
+    assert _launch.get_plan(iid.widths, iid.offsets, n, 3, None).lat is None
+    _plan.CACHE.clear()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_grouped_partitions(dtype):
+    """Grouped partitions on the GPU kernels (lattice counts), vs the float64 oracle."""
+    parts = _grouped_partitions(s=20).to("cuda")
+    q, k, v = _qkv(2, 6, 2, 1025, 64, dtype=dtype, device="cuda", seed=11)
+    _check(q, k, v, parts, True, FP32_TOL if dtype == torch.float32 else 2e-2, f"gpu grouped {dtype}")

@@ -68,7 +68,7 @@ CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}
 # Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
 # tiles, no software pipelining.
 FALLBACK = {"fwd": _cfg(32, 32, 4, 1), "dkdv": _cfg(32, 32, 4, 1), "dq": _cfg(32, 32, 4, 1)}
-TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH"]
+TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE"]
 
 
 def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int, elem: int,

@@ -26,7 +26,10 @@ per program (a uniform branch):
 * **label compares** otherwise (heads whose blocks are much shorter than the
   tile: every sample cuts every tile): ``count += [label_t(i) == label_t(k)]``
   sample by sample, in a runtime loop (the labels of the next sample are loaded
-  while the current one is compared).
+  while the current one is compared). For grouped partitions (``LATTICE``) the
+  loop runs over the ``G`` groups instead: a group of ``k`` shifted grids adds
+  ``max(0, k - |index(i) - index(k)|)`` from its lattice indices (``G ~ s / 4``
+  steps per score instead of ``s``).
 
 The sample loops are runtime loops over ``S`` (chunks of ``SC`` samples for the
 vector parts), so one compiled kernel serves every ``s``.
@@ -51,7 +54,7 @@ _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 # Runtime integer arguments whose value-based specialisation (== 1, % 16 == 0) buys
 # nothing: loop bounds, head counts, the autotuning key. One compile serves all values.
-_NO_SPEC = ["S", "N_KEY", "G", "B", "Hq", "Hkv", "n_gran", "gran_stride"]
+_NO_SPEC = ["S", "NC", "N_KEY", "G", "B", "Hq", "Hkv", "n_gran", "gran_stride"]
 
 
 # --------------------------------------------------------------------------- plan
@@ -221,21 +224,41 @@ def _onehot(pos, bs, be, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _count_cmp(IDS, n, S, r_idx, c_idx):
-    """``count[r, c]`` (fp32) by label compares, one sample at a time (runtime loop;
-    the next sample's labels are loaded before the current one is compared). Rows
-    and columns ``>= n`` get labels -1 / -2: never equal, count 0."""
+def _count_cmp(LAT, KS, n, NC, r_idx, c_idx, LATTICE: tl.constexpr):
+    """``count[r, c]`` (fp32) from ``NC`` rows of labels ``LAT [NC, n]``, one row at a
+    time (runtime loop; the next row is loaded before the current one is used).
+
+    * i.i.d. partitions (``LATTICE`` False): ``LAT`` holds each sample's block labels,
+      ``count += [label(r) == label(c)]``. Rows and columns ``>= n`` get labels -1 / -2:
+      never equal, count 0.
+    * grouped partitions (``LATTICE``): ``LAT`` holds each *group's* lattice index
+      ``floor((u - origin) / (b / k))``, ``KS`` its size ``k``; a group of ``k`` shifted
+      grids puts both positions in one block in ``max(0, k - |index(r) - index(c)|)`` of
+      its masks (:func:`poslsh.partitions.group_count`), so a score costs ``G`` steps
+      instead of ``s``. Rows and columns ``>= n`` are masked at the end."""
     rmask = r_idx < n
     cmask = c_idx < n
-    rid = tl.load(IDS + r_idx, mask=rmask, other=-1)
-    cid = tl.load(IDS + c_idx, mask=cmask, other=-2)
-    w = tl.where(rid[:, None] == cid[None, :], 1.0, 0.0)
-    P = IDS
-    for t in range(1, S):
-        P += n
-        rid = tl.load(P + r_idx, mask=rmask, other=-1)
-        cid = tl.load(P + c_idx, mask=cmask, other=-2)
-        w += tl.where(rid[:, None] == cid[None, :], 1.0, 0.0)
+    if LATTICE:
+        rid = tl.load(LAT + r_idx, mask=rmask, other=0)
+        cid = tl.load(LAT + c_idx, mask=cmask, other=0)
+        w = tl.maximum(tl.load(KS) - tl.abs(rid[:, None] - cid[None, :]), 0).to(tl.float32)
+        P = LAT
+        for t in range(1, NC):
+            P += n
+            rid = tl.load(P + r_idx, mask=rmask, other=0)
+            cid = tl.load(P + c_idx, mask=cmask, other=0)
+            w += tl.maximum(tl.load(KS + t) - tl.abs(rid[:, None] - cid[None, :]), 0).to(tl.float32)
+        w = tl.where(rmask[:, None] & cmask[None, :], w, 0.0)
+    else:
+        rid = tl.load(LAT + r_idx, mask=rmask, other=-1)
+        cid = tl.load(LAT + c_idx, mask=cmask, other=-2)
+        w = tl.where(rid[:, None] == cid[None, :], 1.0, 0.0)
+        P = LAT
+        for t in range(1, NC):
+            P += n
+            rid = tl.load(P + r_idx, mask=rmask, other=-1)
+            cid = tl.load(P + c_idx, mask=cmask, other=-2)
+            w += tl.where(rid[:, None] == cid[None, :], 1.0, 0.0)
     return w
 
 
@@ -294,11 +317,11 @@ def _program(pid, n_tiles, B, H, ORDER, ORDER_OFF):
 
 # --------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
+def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
               qk_scale, log2S, offs_d, offs_dv,
               CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
     for j in range(0, nt):
         n0 = lo + j * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -307,7 +330,7 @@ def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt
         if ONEHOT:
             w = tl.dot(phi_q, _onehot(offs_n, bs, be, False))
         else:
-            w = _count_cmp(IDSh, n, S, offs_m, offs_n)
+            w = _count_cmp(CMPh, KSh, n, NC, offs_m, offs_n, LATTICE)
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
@@ -332,18 +355,18 @@ def _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gra
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, m0, mlast, R, tr, jr, R_MAX, BLOCK_M)
     phi_q = _onehot(offs_m, bs, be, True)
-    return _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
+    return _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
                      qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV,
-                     HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                     HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, Out, LSE,
+def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE,
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                n, n_gran, gran_stride, B, Hq, G, S, qk_scale, log2S, N_KEY,
+                n, n_gran, gran_stride, B, Hq, G, S, NC, qk_scale, log2S, N_KEY,
                 CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr,
+                R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
     kvh = h // G
@@ -366,6 +389,8 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, Out, LSE,
             Kb = tl.make_tensor_descriptor(Kb, shape=[n, D], strides=[skn, 1], block_shape=[BLOCK_N, HEAD_DIM])
             Vb = tl.make_tensor_descriptor(Vb, shape=[n, DV], strides=[svn, 1], block_shape=[BLOCK_N, HEAD_DV])
         IDSh = IDS + h.to(tl.int64) * S * n
+        CMPh = LAT + h.to(tl.int64) * NC * n
+        KSh = KSZ + h.to(tl.int64) * NC
         q = _load_tile(Qb, offs_m, sqn, offs_d, n, D, HEAD_DIM)
         acc = tl.full([BLOCK_M, HEAD_DV], 0.0, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -376,9 +401,9 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, Out, LSE,
                                         offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
                                         HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
-            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, tr, tr, jr,
+            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
                                       qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
-                                      HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                                      HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         else:
             if R <= R_MAX:
                 acc, l_i, m_i = _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran,
@@ -386,9 +411,9 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, Out, LSE,
                                             log2S, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV,
                                             HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
             else:
-                acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, tr, tr,
+                acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr,
                                           jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
-                                          HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                                          HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         rmask = offs_m < n
         l_safe = tl.where(rmask, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -418,11 +443,11 @@ def _bwd_pre_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, n, n_tiles, B, H
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, n, S, offs_n, n0, nlast, qlo, nt, phi_k, bs, be,
+def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo, nt, phi_k, bs, be,
                qk_scale, log2S, offs_d, offs_dv,
                CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-               USE_TMA: tl.constexpr):
+               USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
     for j in range(0, nt):
         m0 = qlo + j * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -435,7 +460,7 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, n, S, offs_n, 
         if ONEHOT:
             w = tl.dot(phi_k, _onehot(offs_m, bs, be, False))
         else:
-            w = _count_cmp(IDSh, n, S, offs_n, offs_m)
+            w = _count_cmp(CMPh, KSh, n, NC, offs_n, offs_m, LATTICE)
         if CAUSAL:
             if m0 < nlast:
                 w = tl.where(offs_m[None, :] >= offs_n[:, None], w, 0.0)
@@ -455,19 +480,19 @@ def _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n
                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, n0, nlast, R, tr, jr, R_MAX, BLOCK_N)
     phi_k = _onehot(offs_n, bs, be, True)
-    return _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, n, S, offs_n, n0, nlast, qlo, nt,
+    return _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, IDSh, n, S, offs_n, n0, nlast, qlo, nt,
                       phi_k, bs, be, qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_M, D, DV,
-                      HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                      HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DK, DVt,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DK, DVt,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                     n, n_gran, gran_stride, B, Hq, Hkv, G, S, qk_scale, sm_scale, log2S, N_KEY,
+                     n, n_gran, gran_stride, B, Hq, Hkv, G, S, NC, qk_scale, sm_scale, log2S, N_KEY,
                      CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                     R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr,
+                     R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch, kv head): dk, dv of the tile, summed over
     the ``G`` query heads of the group (each with its own partitions): no atomics.
@@ -503,15 +528,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DK, DVt,
             LSEb = LSE + (b64 * Hq + h64) * n
             DELb = DELTA + (b64 * Hq + h64) * n
             IDSh = IDS + h64 * S * n
+            CMPh = LAT + h64 * NC * n
+            KSh = KSZ + h64 * NC
             if PATH == 1:
                 dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
                                       gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale, log2S,
                                       offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                                       DOT_PREC, USE_TMA)
             elif PATH == 2:
-                dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, n, S, offs_n, n0, nlast, qlo,
+                dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo,
                                     nt, tr, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_M, D, DV,
-                                    HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                                    HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
             else:
                 if R <= R_MAX:
                     dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
@@ -519,9 +546,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DK, DVt,
                                           log2S, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
                                           HEAD_DV, DOT_PREC, USE_TMA)
                 else:
-                    dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, n, S, offs_n, n0, nlast,
+                    dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast,
                                         qlo, nt, tr, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_M,
-                                        D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
+                                        D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         nmask = offs_n < n
         dk = dk * sm_scale
         dkp = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + offs_n.to(tl.int64)[:, None] * sdkn + offs_d[None, :]
@@ -531,11 +558,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DK, DVt,
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
+def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
              qk_scale, log2S, offs_d, offs_dv,
              CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
              DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-             USE_TMA: tl.constexpr):
+             USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
     for j in range(0, nt):
         n0 = lo + j * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -545,7 +572,7 @@ def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo
         if ONEHOT:
             w = tl.dot(phi_q, _onehot(offs_n, bs, be, False))
         else:
-            w = _count_cmp(IDSh, n, S, offs_m, offs_n)
+            w = _count_cmp(CMPh, KSh, n, NC, offs_m, offs_n, LATTICE)
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
@@ -564,18 +591,18 @@ def _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran,
                DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, m0, mlast, R, tr, jr, R_MAX, BLOCK_M)
     phi_q = _onehot(offs_m, bs, be, True)
-    return _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
+    return _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
                     qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
-                    DOT_PREC, USE_TMA)
+                    DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DQ,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sdqb, sdqh, sdqn,
-                   n, n_gran, gran_stride, B, Hq, G, S, qk_scale, sm_scale, log2S, N_KEY,
+                   n, n_gran, gran_stride, B, Hq, G, S, NC, qk_scale, sm_scale, log2S, N_KEY,
                    CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                   R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr,
+                   R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch, query head): dq, over the forward's key range."""
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
@@ -604,24 +631,26 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, DQ,
             Kb = tl.make_tensor_descriptor(Kb, shape=[n, D], strides=[skn, 1], block_shape=[BLOCK_N, HEAD_DIM])
             Vb = tl.make_tensor_descriptor(Vb, shape=[n, DV], strides=[svn, 1], block_shape=[BLOCK_N, HEAD_DV])
         IDSh = IDS + h64 * S * n
+        CMPh = LAT + h64 * NC * n
+        KSh = KSZ + h64 * NC
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         if PATH == 1:
             dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
                             offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, R_MAX,
                             BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
-            dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, tr, tr, jr,
+            dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
                           qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
-                          DOT_PREC, USE_TMA)
+                          DOT_PREC, USE_TMA, LATTICE)
         else:
             if R <= R_MAX:
                 dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh,
                                 S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL,
                                 R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
             else:
-                dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, n, S, offs_m, m0, lo, nt, tr, tr, jr,
+                dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
                               qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
-                              DOT_PREC, USE_TMA)
+                              DOT_PREC, USE_TMA, LATTICE)
         dq = dq * sm_scale
         dqp = DQ + b64 * sdqb + h64 * sdqh + offs_m.to(tl.int64)[:, None] * sdqn + offs_d[None, :]
         tl.store(dqp, dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])

@@ -250,8 +250,9 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------ the plan
-def build_plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> _plan.Plan:
-    """The plan (:mod:`._plan`) from one launch of ``_plan_kernel`` (interpreted on CPU)."""
+def build_plan(widths: Tensor, offsets: Tensor, n: int, group: int, groups: Optional[Tensor] = None) -> _plan.Plan:
+    """The plan (:mod:`._plan`) from one launch of ``_plan_kernel`` (interpreted on CPU);
+    for grouped partitions also the lattice indices (plain torch, ``O(H G n)``)."""
     H, S = widths.shape
     dev = widths.device
     n_gran = triton.cdiv(n, _plan.GRANULE)
@@ -265,19 +266,31 @@ def build_plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> _plan.Pla
     _launch("plan", mod._plan_kernel, (H * S * n_blk + 1,),
             (w, c, ids, gran, order, n, n_gran, H, S, group, n_blk),
             dict(BLOCK=PLAN_BLOCK, H_PAD=_pow2(H, 2)), w)
-    return _plan.Plan(ids, gran, order)
+    if groups is None:
+        return _plan.Plan(ids, gran, order)
+    return _plan.Plan(ids, gran, order, *_plan.lattice_index(w, c, groups, n))
 
 
-def get_plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> _plan.Plan:
+def get_plan(widths: Tensor, offsets: Tensor, n: int, group: int, groups: Optional[Tensor] = None) -> _plan.Plan:
     """The cached plan of these partitions (built on the first call: one launch)."""
-    return _plan.cached(widths, offsets, n, group, lambda: build_plan(widths, offsets, n, group))
+    return _plan.cached(widths, offsets, n, group, lambda: build_plan(widths, offsets, n, group, groups),
+                        groups=groups)
 
 
-def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret: bool) -> dict:
+def _count_args(p: _plan.Plan, S: int) -> Tuple[Tensor, Tensor, int]:
+    """``(LAT, KSZ, NC)`` of the label-compare path: the lattice indices of the groups, or
+    the samples' block labels (``KSZ`` then unused)."""
+    if p.lat is None:
+        return p.ids, p.ids, S
+    return p.lat, p.ksz, p.lat.shape[1]
+
+
+def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret: bool, lattice: bool) -> dict:
     if tma and not interpret:
         _ensure_allocator()
     return dict(CAUSAL=bool(causal), D=d, DV=dv, HEAD_DIM=_pow2(d), HEAD_DV=_pow2(dv),
-                DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma), R_MAX=ONEHOT_MAX["r_max"], SC=SAMPLE_CHUNK)
+                DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma), R_MAX=ONEHOT_MAX["r_max"], SC=SAMPLE_CHUNK,
+                LATTICE=bool(lattice))
 
 
 def _n_key(n: int) -> int:
@@ -290,7 +303,7 @@ def _plan_args(p: _plan.Plan, n: int):
 
 # ------------------------------------------------------------------ forward
 def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-            blocks: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor]:
+            blocks: Optional[Tuple[int, int]] = None, groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``out [B, Hq, n, dv]`` (q.dtype) and ``lse [B, Hq, n]`` (fp32, log2 domain, incl. ``1/s``)."""
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -300,21 +313,23 @@ def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, ca
     lse = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     if B == 0:
         return out, lse
-    p = get_plan(widths, offsets, n, G)
-    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret)
+    p = get_plan(widths, offsets, n, G, groups)
+    lat, ksz, NC = _count_args(p, S)
+    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret, p.lat is not None)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
-         (q, k, v, p.ids, p.gran, p.order, out, lse,
+         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, scale * math.log2(math.e), math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), math.log2(S), _n_key(n)), common, q)
     return out, lse
 
 
 # ------------------------------------------------------------------ backward
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-             blocks: Optional[Dict[str, Tuple[int, int]]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             blocks: Optional[Dict[str, Tuple[int, int]]] = None,
+             groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     if dout.dtype != q.dtype:
@@ -327,7 +342,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     dvv = torch.empty(B, Hkv, n, dv, dtype=v.dtype, device=q.device)
     if B == 0:
         return dq, dk, dvv
-    p = get_plan(widths, offsets, n, G)
+    p = get_plan(widths, offsets, n, G, groups)
+    lat, ksz, NC = _count_args(p, S)
     mod = kernels(interpret)
     delta = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     PRE = 64
@@ -336,23 +352,23 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
              dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq),
             dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE), q)
-    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret)
+    common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret, p.lat is not None)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _run("dkdv", interpret, blocks.get("dkdv"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, dk, dvv,
+         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-          *_plan_args(p, n), B, Hq, Hkv, G, S, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("dq", interpret, blocks.get("dq"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, dq,
+         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dq,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dq.stride(0), dq.stride(1), dq.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
     return dq, dk, dvv

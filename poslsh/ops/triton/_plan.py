@@ -14,6 +14,9 @@ exactly the blocks that the reference and the torch backend see.
   (row 1). A tile of ``16 j`` positions reads its key range from these.
 * ``order`` int32 ``[Hq + Hkv]``: query heads, then key/value heads, sorted by
   decreasing expected work (``sum_t min(w, n)``), so the longest programs start first.
+* grouped partitions only: ``lat`` int32 ``[H, G, n]``, every position's index on its
+  group's boundary lattice (:func:`lattice_index`), and ``ksz`` int32 ``[H, G]``, the
+  group sizes: the label-compare path counts a group in one step from these.
 
 On a GPU the plan is one Triton kernel (``_kernels._plan_kernel``), built once per
 (partitions, n, GQA group) and kept in :data:`CACHE`; forward and backward share it.
@@ -28,7 +31,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...partitions import block_bounds, block_labels
+from ...partitions import Partitions, block_bounds, block_labels
 
 GRANULE = 16
 # Bound on the float64 temporaries of block_ids: H * s * chunk elements.
@@ -36,9 +39,15 @@ _IDS_CHUNK_ELEMENTS = 1 << 23
 
 
 class Plan(NamedTuple):
-    ids: Tensor      # int32 [H, s, n]
-    gran: Tensor     # int32 [2, H, s, ceil(n / 16)]
-    order: Tensor    # int32 [Hq + Hkv]
+    ids: Tensor                   # int32 [H, s, n]
+    gran: Tensor                  # int32 [2, H, s, ceil(n / 16)]
+    order: Tensor                 # int32 [Hq + Hkv]
+    lat: Optional[Tensor] = None  # int32 [H, G, n] (grouped partitions)
+    ksz: Optional[Tensor] = None  # int32 [H, G]
+
+
+# Lattice indices are differenced in int32 inside the kernels.
+MAX_LATTICE_INDEX = 2 ** 30
 
 
 def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
@@ -52,6 +61,32 @@ def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
         u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
         out[..., lo:lo + u.numel()] = block_labels(w, c, u).to(torch.int32)
     return out
+
+
+def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+    """``(lat int32 [H, G, n], ksz int32 [H, G])`` for grouped partitions: with the group's
+    width ``b``, size ``k`` and lattice origin ``c`` (:meth:`Partitions.group_lattices`),
+    ``lat[u] = floor((u - c) / (b / k)) - floor(-c / (b / k))``, so that
+    ``#{lattice points in (i, j]} = lat[j] - lat[i]`` and the group's count is
+    ``max(0, k - |lat[i] - lat[j]|)``: the arithmetic of :func:`poslsh.partitions.group_count`
+    (bit for bit). Groups of width ``<= 1`` (one position per block) get ``k u``: any two
+    positions are ``>= k`` apart."""
+    width, origin, size = Partitions(widths, offsets, groups=groups).group_lattices()
+    H, G = width.shape
+    b, c, k = (x[..., None].to(torch.float64) for x in (width, origin, size))
+    wide = b > 1.0
+    spacing = torch.where(wide, b, torch.ones_like(b)) / k
+    out = torch.empty(H, G, n, dtype=torch.int32, device=widths.device)
+    chunk = max(1, _IDS_CHUNK_ELEMENTS // max(1, H * G))
+    base = torch.floor((0.0 - c) / spacing)
+    for lo in range(0, n, chunk):
+        u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
+        idx = torch.where(wide, torch.floor((u - c) / spacing) - base, u * k)
+        if float(idx.abs().max()) >= MAX_LATTICE_INDEX:
+            raise ValueError(f"grouped partitions: lattice indices reach {float(idx.abs().max()):.3g} at n={n} "
+                             f"(limit 2^30): use backend='torch' for this length")
+        out[..., lo:lo + u.numel()] = idx.to(torch.int32)
+    return out, size.to(torch.int32).contiguous()
 
 
 def granule_bounds(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
@@ -123,7 +158,7 @@ def _version(t: Tensor) -> int:
 
 
 class PlanCache:
-    """Plans by (widths, offsets, n, group): a hit needs the *same* tensor objects at the
+    """Plans by (widths, offsets, n, group, groups): a hit needs the *same* tensor objects at the
     same version (an in-place change makes a new plan), entries die with their
     tensors, and at most ``size`` are kept (least recently used goes first; a plan
     holds ``~4.5 s`` bytes per (head, position)). Thread-safe: autograd runs the
@@ -143,11 +178,12 @@ class PlanCache:
         return len(self._entries)
 
     def get(self, widths: Tensor, offsets: Tensor, n: int, group: int,
-            build: Callable[[], Plan]) -> Plan:
-        key = (id(widths), id(offsets), _version(widths), _version(offsets), int(n), int(group))
+            build: Callable[[], Plan], groups: Optional[Tensor] = None) -> Plan:
+        key = (id(widths), id(offsets), _version(widths), _version(offsets), int(n), int(group),
+               None if groups is None else (id(groups), _version(groups)))
         with self._lock:
             hit = self._entries.get(key)
-            if hit is not None and hit[0]() is widths and hit[1]() is offsets:
+            if hit is not None and hit[0]() is widths and hit[1]() is offsets and hit[3] is groups:
                 self._entries.move_to_end(key)
                 return hit[2]
         value = build()
@@ -157,7 +193,7 @@ class PlanCache:
         ref_c = weakref.ref(offsets, lambda _r, k=key: self._drop(k))
         with self._lock:
             self.builds += 1
-            self._entries[key] = (ref_w, ref_c, value)
+            self._entries[key] = (ref_w, ref_c, value, groups)
             self._entries.move_to_end(key)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
@@ -172,5 +208,5 @@ CACHE = PlanCache()
 
 
 def cached(widths: Tensor, offsets: Tensor, n: int, group: int, build: Callable[[], Plan],
-           cache: Optional[PlanCache] = None) -> Plan:
-    return (CACHE if cache is None else cache).get(widths, offsets, n, group, build)
+           cache: Optional[PlanCache] = None, groups: Optional[Tensor] = None) -> Plan:
+    return (CACHE if cache is None else cache).get(widths, offsets, n, group, build, groups)
