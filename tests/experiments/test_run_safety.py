@@ -81,6 +81,28 @@ def test_table_uses_only_runs_of_its_config(tmp_path, capsys):
     assert "| ALiBi | 1 |" in md
 
 
+def test_table_includes_earlier_runs_only_of_the_same_setup(tmp_path, capsys):
+    """An earlier table.json fills in the method x seed runs that have no run directory (and
+    nothing is retrained for them); the table says which; another setup is refused."""
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi", "poslsh-s2"), seeds=(0,))
+    train(replace(cfg, method="alibi"), progress=False, evaluate=True)
+    earlier = tmp_path / "earlier"
+    table.run_table(cfg, ["alibi"], [0], earlier, progress=False, train_missing=False, command="first")
+    old = earlier / cfg.preset / "table.json"
+    moved = replace(cfg, runs_dir=str(tmp_path / "other-runs"))            # alibi has no run directory here
+    train(replace(moved, method="poslsh-s2"), progress=False, evaluate=True)
+    results = table.run_table(moved, ["alibi", "poslsh-s2"], [0], tmp_path / "results", progress=False,
+                              train_missing=True, include=old)
+    assert sorted(r["method"] for r in results) == ["alibi", "poslsh-s2"]
+    assert not (tmp_path / "other-runs" / cfg.preset / "alibi").exists()  # not retrained
+    md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
+    print(md)
+    assert "**Included:** 1 run(s) taken from" in md and "alibi (1)" in md and "| ALiBi | 1 |" in md
+    with pytest.raises(ConfigError, match="another setup"):
+        table.run_table(replace(moved, lr=moved.lr * 2), ["alibi", "poslsh-s2"], [0], tmp_path / "r2",
+                        progress=False, train_missing=False, include=old)
+
+
 def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path):
     cfg = tiny_cfg(tmp_path, method="alibi", steps=400, ckpt_interval=1000)
     request = tmp_path / "request.json"

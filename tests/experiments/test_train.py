@@ -76,12 +76,15 @@ def test_methods_and_presets():
     assert method_label("poslsh-s10") == "Positional LSH, s=10"
     with pytest.raises(ValueError):
         parse_method("poslsh-sx")
-    for name in ("smoke", "cpu", "gpu", "smoke-lora", "cpu-lora", "gpu-lora"):
+    for name in ("smoke", "cpu", "cpu-long", "gpu", "smoke-lora", "cpu-lora", "gpu-lora"):
         cfg = get_preset(name)
         assert cfg.preset == name and all(parse_method(m) for m in cfg.methods)
         assert config_from_dict(TrainConfig, config_to_dict(cfg)) == cfg
     assert get_preset("cpu").methods == ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10",
                                          "poslsh-s20", "fixed_blocks")
+    long, cpu = get_preset("cpu-long"), get_preset("cpu")     # the cpu preset with 3x the steps, nothing else
+    assert long.steps == 3 * cpu.steps and replace(long, preset="cpu", steps=cpu.steps, methods=cpu.methods,
+                                                   seeds=cpu.seeds) == cpu
     from poslsh.experiments.lm.model import positional_config
     pc = positional_config(replace(get_preset("cpu"), method="poslsh-s20", seed=3))
     assert (pc.scheme, pc.num_samples, pc.block_size, pc.seed, pc.eval_seed) == ("poslsh", 20, 64, 3, 3)

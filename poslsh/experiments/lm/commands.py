@@ -103,7 +103,7 @@ def table_main(cmd: TableCommand) -> int:
         return 0
     command = "poslsh " + shlex.join(sys.argv[1:])
     run_table(cfg, cfg.methods, cfg.seeds, Path(cmd.results_dir), progress=cmd.progress, command=command,
-              train_missing=not cmd.aggregate_only, jobs=cmd.jobs)
+              train_missing=not cmd.aggregate_only, jobs=cmd.jobs, include=Path(cmd.include_runs) if cmd.include_runs else None)
     if _rank0():
         print((Path(cmd.results_dir) / cfg.preset / "table.md").read_text())
     return 0

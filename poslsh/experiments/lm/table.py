@@ -152,7 +152,7 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
                 cells += [f"{p:.2f}", f"{a:.2f}"]
         body.append(cells)
     lines = [f"# {meta.get('title', 'Length extrapolation')}", ""]
-    for key in ("command", "setup", "evaluation"):
+    for key in ("command", "included", "setup", "evaluation"):
         if meta.get(key):
             lines += [f"**{key.capitalize()}:** {meta[key]}", ""]
     lines += [markdown_table(head, body), "",
@@ -222,14 +222,45 @@ def config_differences(expected: TrainConfig, saved: dict) -> str:
     return ", ".join(f"{k} {b.get(k)!r} (table: {a.get(k)!r})" for k in keys)
 
 
+def include_runs(path: Path, cfg: TrainConfig, wanted: Sequence[tuple]) -> tuple:
+    """``(runs, meta)``: the runs of an earlier ``table.json`` for the ``(method, seed)`` pairs in
+    ``wanted``, after checking that the table was made for this preset with the same setup and
+    evaluation (model, data and split sizes, optimiser, steps, scored tokens: its own words)."""
+    from ..command import ConfigError
+    try:
+        prev = json.loads(Path(path).read_text())
+        runs = [r for r in prev["runs"] if (r["method"], r["seed"]) in set(wanted)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"include_runs: cannot read the runs of table {path}: {e}") from e
+    if not runs:
+        return [], prev.get("meta", {})
+    bad = [f"{r['method']} seed {r['seed']}" for r in runs if r.get("preset") != cfg.preset or r.get("steps") != cfg.steps]
+    if bad:
+        raise ConfigError(f"include_runs: {path} holds runs of another preset or step count ({', '.join(bad)})")
+    want = describe(cfg, runs)
+    for key in ("setup", "evaluation"):
+        if prev["meta"].get(key) != want[key]:
+            raise ConfigError(f"include_runs: {path} was made with another {key} than this table: "
+                              f"{prev['meta'].get(key)!r} vs {want[key]!r}")
+    return runs, prev["meta"]
+
+
 def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], results_dir: Path, *,
-              progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1) -> List[dict]:
+              progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1,
+              include: Optional[Path] = None) -> List[dict]:
     """Train (or resume) every missing method x seed run, ``jobs`` at a time, then write the
-    table. Returns the runs' results (those with a ``result.json``)."""
+    table. Returns the runs' results (those with a ``result.json``). ``include``: an earlier
+    ``table.json`` whose runs stand in for the method x seed runs that have no run directory
+    here (nothing is retrained for them; the table says which rows came from it)."""
     runs = [replace(cfg, method=m, seed=s) for m in methods for s in seeds]
+    earlier, earlier_meta = [], {}
+    if include:
+        here = [(m, s) for m in methods for s in seeds if (run_dir(replace(cfg, method=m, seed=s)) / "result.json").exists()]
+        earlier, earlier_meta = include_runs(include, cfg, [(m, s) for m in methods for s in seeds if (m, s) not in here])
+    taken = {(r["method"], r["seed"]) for r in earlier}
     # Seed-major training order: a table cut short still has every method at the first seeds.
     todo = [replace(cfg, method=m, seed=s) for s in seeds for m in methods]
-    todo = [r for r in todo if not (run_dir(r) / "result.json").exists()]
+    todo = [r for r in todo if not (run_dir(r) / "result.json").exists() and (r.method, r.seed) not in taken]
     if train_missing and todo:
         if jobs > 1:
             train_parallel(todo, jobs)
@@ -240,6 +271,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     for r in runs:
         path = run_dir(r) / "result.json"
         if not path.exists():
+            results += [e for e in earlier if (e["method"], e["seed"]) == (r.method, r.seed)]
             continue
         result = json.loads(path.read_text())
         diff = config_differences(r, result.get("config") or {})
@@ -256,6 +288,12 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")
         meta = {"title": f"{title}: preset `{cfg.preset}`", "command": f"`{command}`" if command else "",
                 **describe(cfg, results)}
+        if earlier:
+            names = ", ".join(f"{m} ({sum(e['method'] == m for e in earlier)})"
+                              for m in dict.fromkeys(e["method"] for e in earlier))
+            meta["included"] = (f"{len(earlier)} run(s) taken from `{include}` (made by "
+                                f"{earlier_meta.get('command') or 'an earlier table'}, same setup and evaluation): "
+                                f"{names}; the other runs were trained for this table.")
         write_table(results, list(methods), Path(results_dir) / cfg.preset, meta)
     return results
 
