@@ -222,22 +222,33 @@ def test_findings_and_markdown():
     assert "per seed: +0.53%, +3.65%" in gap and "does NOT hold" in gap
 
 
+def test_grouped_rows_in_table_and_findings():
+    def run(method, seed, p1, p2=None):
+        ev = {"1x": {"context": 8, "ppl": p1, "acc": 40.0}}
+        if p2:
+            ev["2x"] = {"context": 16, "ppl": p2, "acc": 40.0}
+        return {"method": method, "seed": seed, "eval": ev}
+    res = [run("alibi", s, 19.0 + s, 19.0) for s in (0, 1)] + [run("poslsh-s20", 0, 20.0, 19.5),
+           run("poslsh-g20", 0, 19.1, 19.1), run("poslsh-g20", 1, 19.9, 19.2), run("poslsh-g5", 0, 20.0, 30.0),
+           run("original", 0, 18.0, 25.0), run("fixed_blocks", 0, 19.7, 19.7)]
+    rows = table.aggregate(res, ["original", "alibi", "poslsh-s20", "poslsh-g5", "poslsh-g20", "fixed_blocks"])
+    text = table.render_markdown(rows, {"title": "t"})
+    assert "| Positional LSH, grouped, s=20 | 2 | 19.50 ± 0.57 |" in text
+    found = table.findings(rows)
+    print("\n".join(found))
+    g5, g20 = [f for f in found if f.startswith("Grouped PosLSH s=")]
+    assert "s=5" in g5 and "does NOT hold" in g5
+    assert "PPL gap +0.00%; per seed: +0.53%, -0.50%; i.i.d. s=20: +2.56%" in g20 and "holds" in g20
+    assert [f for f in found if f.startswith("Grouped PosLSH: PPL improves")][0].endswith(": holds.")
+    fixed = [f for f in found if "fixed blocks" in f][0]
+    assert "beaten by poslsh-g20" in fixed and fixed.endswith("does NOT hold.")
+    extra = [f for f in found if "extrapolate" in f][0]       # grouped methods are candidates too
+    assert "better: alibi, poslsh-s20, poslsh-g20" in extra and "does NOT hold" in extra
+
+
 # --------------------------------------------------------------- training
 @pytest.mark.skipif("python-doc" not in available_corpora(),
                     reason="python-doc corpus not installed (sudo apt-get install python3.11-doc)")
-def test_grouped_rows_in_table_and_findings():
-    def run(method, seed, p1):
-        return {"method": method, "seed": seed, "eval": {"1x": {"context": 8, "ppl": p1, "acc": 40.0}}}
-    res = [run("alibi", 0, 19.0), run("poslsh-s20", 0, 19.5), run("poslsh-g20", 0, 19.1), run("poslsh-g5", 0, 19.6)]
-    rows = table.aggregate(res, ["alibi", "poslsh-s20", "poslsh-g5", "poslsh-g20"])
-    text = table.render_markdown(rows, {"title": "t"})
-    assert "| Positional LSH, grouped, s=20 | 1 | 19.10 |" in text
-    found = [f for f in table.findings(rows) if f.startswith("Grouped")]
-    print("\n".join(found))
-    assert len(found) == 2 and "s=5" in found[0] and "does NOT hold" in found[0]
-    assert "s=20" in found[1] and "+0.53%" in found[1] and "i.i.d. s=20: +2.63%" in found[1] and "holds" in found[1]
-
-
 def test_smoke_preset_trains_and_evaluates(tmp_path):
     cfg = replace(get_preset("smoke"), method="poslsh-s5", runs_dir=str(tmp_path / "runs"),
                   cache_dir=str(tmp_path / "cache"))

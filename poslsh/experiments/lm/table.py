@@ -68,64 +68,62 @@ def _lengths(rows) -> List[str]:
     return sorted({r["length"] for r in rows}, key=lambda s: int(s[:-1]))
 
 
+def _per_seed(rows: List[dict], method: str, ref: str, length: str) -> str:
+    """``method``'s PPL gap to ``ref`` seed by seed (runs with one seed share initialisation and
+    data order, so the gaps are paired)."""
+    a = _get(rows, ref, length, "ppl_by_seed") or {}
+    b = _get(rows, method, length, "ppl_by_seed") or {}
+    gaps = [100.0 * (b[k] / a[k] - 1.0) for k in sorted(set(a) & set(b))]
+    return f"; per seed: {', '.join(f'{g:+.2f}%' for g in gaps)}" if len(gaps) > 1 else ""
+
+
 def findings(rows: List[dict]) -> List[str]:
-    """The paper's claims, checked against ``rows`` (each line says holds / does not hold)."""
+    """The paper's claims (and issue 12's about grouped partitions), checked against ``rows``;
+    each line says holds / does not hold."""
     out = []
     lengths = _lengths(rows)
     if not lengths:
         return out
-    train_len = lengths[0]
-    lsh = sorted((int(r["method"][8:]), r["method"]) for r in rows if r["method"].startswith("poslsh-s")
-                 and r["length"] == train_len)
+    L = lengths[0]
     ok = lambda c: "holds" if c else "does NOT hold"  # noqa: E731
-    if len(lsh) > 1:
-        ppls = [_get(rows, m, train_len) for _, m in lsh]
-        mono = all(a >= b for a, b in zip(ppls, ppls[1:]))
-        out.append(f"PPL improves as s grows ({', '.join(f's={s}: {p:.3f}' for (s, _), p in zip(lsh, ppls))}): "
-                   f"{ok(mono)}.")
-    alibi = _get(rows, "alibi", train_len)
+    kinds = {}
+    for r in rows:
+        if r["method"].startswith("poslsh-") and r["length"] == L:
+            p = parse_method(r["method"])
+            kinds.setdefault(p.sampler, []).append((p.num_samples, r["method"]))
+    lsh, grouped = sorted(kinds.get("iid", [])), sorted(kinds.get("grouped", []))
+    for name, runs in (("", lsh), ("Grouped PosLSH: ", grouped)):
+        if len(runs) > 1:
+            ppls = [_get(rows, m, L) for _, m in runs]
+            mono = all(a >= b for a, b in zip(ppls, ppls[1:]))
+            out.append(f"{name}PPL improves as s grows ({', '.join(f's={s}: {p:.3f}' for (s, _), p in zip(runs, ppls))})"
+                       f": {ok(mono)}.")
+    alibi = _get(rows, "alibi", L)
     if lsh and alibi:
         s_max, m_max = lsh[-1]
-        gap = 100.0 * (_get(rows, m_max, train_len) / alibi - 1.0)
-        # Runs with the same seed share initialisation and data order, so per-seed gaps are paired.
-        a_seeds = _get(rows, "alibi", train_len, "ppl_by_seed") or {}
-        l_seeds = _get(rows, m_max, train_len, "ppl_by_seed") or {}
-        paired = [100.0 * (l_seeds[k] / a_seeds[k] - 1.0) for k in sorted(set(a_seeds) & set(l_seeds))]
-        per_seed = f"; per seed: {', '.join(f'{g:+.2f}%' for g in paired)}" if len(paired) > 1 else ""
-        out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length "
-                   f"(PPL gap {gap:+.2f}%{per_seed}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
-    out += _grouped_findings(rows, train_len, alibi)
-    fixed = _get(rows, "fixed_blocks", train_len)
-    if lsh and fixed:
-        beats = [s for s, m in lsh if _get(rows, m, train_len) < fixed]
-        out.append(f"PosLSH beats fixed blocks at the training length (fixed: {fixed:.3f}; beaten by s in "
-                   f"{beats or 'none'}): {ok(len(beats) == len(lsh))}.")
+        gap = 100.0 * (_get(rows, m_max, L) / alibi - 1.0)
+        out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
+                   f"{_per_seed(rows, m_max, 'alibi', L)}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
+    for s_, m in grouped if alibi else []:     # issue 12: does grouped sampling close the gap?
+        gap = 100.0 * (_get(rows, m, L) / alibi - 1.0)
+        iid = _get(rows, f"poslsh-s{s_}", L)
+        vs = f"; i.i.d. s={s_}: {100.0 * (iid / alibi - 1.0):+.2f}%" if iid else ""
+        out.append(f"Grouped PosLSH s={s_} within 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
+                   f"{_per_seed(rows, m, 'alibi', L)}{vs}): {ok(abs(gap) <= 1.0)}.")
+    fixed = _get(rows, "fixed_blocks", L)
+    if (lsh or grouped) and fixed:
+        beats = [m for _, m in lsh + grouped if _get(rows, m, L) < fixed]
+        out.append(f"PosLSH beats fixed blocks at the training length (fixed: {fixed:.3f}; beaten by "
+                   f"{', '.join(beats) or 'none'}): {ok(len(beats) == len(lsh) + len(grouped))}.")
     for length in lengths[1:]:
         rope = _get(rows, "original", length)
         if rope is None:
             continue
-        cands = ["alibi"] + [m for _, m in lsh]
+        cands = ["alibi"] + [m for _, m in lsh + grouped]
         better = [m for m in cands if (_get(rows, m, length) or math.inf) < rope]
         present = [m for m in cands if _get(rows, m, length) is not None]
         out.append(f"ALiBi/PosLSH extrapolate better than RoPE at {length} (RoPE PPL {rope:.3f}; better: "
                    f"{', '.join(better) or 'none'}): {ok(present and len(better) == len(present))}.")
-    return out
-
-
-def _grouped_findings(rows: List[dict], train_len: str, alibi: Optional[float]) -> List[str]:
-    """Issue 12's question: does grouped sampling close the gap to ALiBi (within 1%), and
-    how does it compare with i.i.d. partitions at the same s?"""
-    out = []
-    for m in sorted({r["method"] for r in rows if r["method"].startswith("poslsh-g") and r["length"] == train_len},
-                    key=lambda m: parse_method(m).num_samples):
-        s, ppl = parse_method(m).num_samples, _get(rows, m, train_len)
-        if not alibi or ppl is None:
-            continue
-        gap = 100.0 * (ppl / alibi - 1.0)
-        iid = _get(rows, f"poslsh-s{s}", train_len)
-        vs = f"; i.i.d. s={s}: {100.0 * (iid / alibi - 1.0):+.2f}%" if iid else ""
-        out.append(f"Grouped PosLSH s={s} ({method_label(m)}) within 1% of ALiBi at the training length "
-                   f"(PPL gap {gap:+.2f}%{vs}): {'holds' if abs(gap) <= 1.0 else 'does NOT hold'}.")
     return out
 
 
