@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import poslsh
 from poslsh.io import atomic_write_json
+from poslsh.timing import sample_seconds
 
 B, D, S = 1, 64, 10
 SIGMAS = {"image": (1.0, 2.0, 4.0, 8.0), "alibi": (4.0, 16.0, 64.0, 256.0)}
@@ -37,13 +38,7 @@ SIGMAS = {"image": (1.0, 2.0, 4.0, 8.0), "alibi": (4.0, 16.0, 64.0, 256.0)}
 
 def median_seconds(fn, repeats: int):
     """Median (CPU seconds, wall seconds) of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    fn()
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
+    wall, cpu = sample_seconds(fn, repeats)
     return statistics.median(cpu), statistics.median(wall)
 
 

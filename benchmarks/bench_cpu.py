@@ -44,7 +44,7 @@ import poslsh
 from poslsh import theory
 from poslsh.analysis.records import equivalent_samples
 from poslsh.io import atomic_write_json
-from poslsh.timing import median_seconds
+from poslsh.timing import median_seconds, sample_seconds
 
 B, H, D, S = 1, 4, 64, 10
 
@@ -174,13 +174,7 @@ class BackgroundLoad:
 
 def spread(fn, repeats: int) -> dict:
     """Wall seconds of ``fn()`` (after one warm-up): min / median / max, and CPU / wall."""
-    fn()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
+    walls, cpus = sample_seconds(fn, repeats)
     return {"min": min(walls), "median": statistics.median(walls), "max": max(walls),
             "cpu_per_wall": sum(cpus) / sum(walls)}
 
