@@ -66,6 +66,15 @@ def _partitions(sigmas, args) -> "poslsh.Partitions":
     return poslsh.sample_partitions(sigmas, args.samples, seed=args.seed, method=method, group_size=group_size)
 
 
+def _sampler_arg(spec: str) -> str:
+    from poslsh.sampling import parse_sampler
+    try:
+        parse_sampler(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return spec
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"n in {QUICK_NS}, fewer repetitions")
@@ -75,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--samples", type=int, default=10)
-    p.add_argument("--sampler", default="iid", help="iid, stratified, grouped, grouped-k<size> or grouped-sqrt "
+    p.add_argument("--sampler", default="iid", type=_sampler_arg, help="iid, stratified, grouped, grouped-k<size> or grouped-sqrt "
                    "(grouped: the label-compare path counts a group of shifted grids at a time)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default causal)")

@@ -234,7 +234,8 @@ def include_runs(path: Path, cfg: TrainConfig, wanted: Sequence[tuple]) -> tuple
         return [], prev.get("meta", {})
     bad = [f"{r['method']} seed {r['seed']}" for r in runs if r.get("preset") != cfg.preset or r.get("steps") != cfg.steps]
     if bad:
-        raise ConfigError(f"include_runs: {path} holds runs of another preset or step count ({', '.join(bad)})")
+        raise ConfigError(f"include_runs: {path} holds runs of another preset or step count ({', '.join(bad)}): "
+                          f"include a table made with --preset {cfg.preset} and {cfg.steps} steps")
     want = describe(cfg, runs)
     for key in ("setup", "evaluation"):
         if prev["meta"].get(key) != want[key]:
