@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...partitions import Partitions, block_bounds, block_labels
+from ...sampling import lattice_points
 
 GRANULE = 16
 # Bound on the float64 temporaries of block_ids: H * s * chunk elements.
@@ -66,7 +67,8 @@ def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
 def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tuple[Tensor, Tensor]:
     """``(lat int32 [H, G, n], ksz int32 [H, G])`` for grouped partitions: with the group's
     width ``b``, size ``k`` and lattice origin ``c`` (:meth:`Partitions.group_lattices`),
-    ``lat[u] = floor((u - c) / (b / k)) - floor(-c / (b / k))``, so that
+    ``lat[u] = floor((u - c) / (b / k)) - floor(-c / (b / k))`` (the lattice points in ``(0, u]``,
+    :func:`poslsh.sampling.lattice_points`), so that
     ``#{lattice points in (i, j]} = lat[j] - lat[i]`` and the group's count is
     ``max(0, k - |lat[i] - lat[j]|)``: the arithmetic of :func:`poslsh.partitions.group_count`
     (bit for bit). Groups of width ``<= 1`` (one position per block) get ``k u``: any two
@@ -78,12 +80,11 @@ def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tu
     spacing = torch.where(wide, b, torch.ones_like(b)) / k
     out = torch.empty(H, G, n, dtype=torch.int32, device=widths.device)
     chunk = max(1, _IDS_CHUNK_ELEMENTS // max(1, H * G))
-    base = torch.floor((0.0 - c) / spacing)
     for lo in range(0, n, chunk):
         u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
-        idx = torch.where(wide, torch.floor((u - c) / spacing) - base, u * k)
-        if float(idx.abs().max()) >= MAX_LATTICE_INDEX:
-            raise ValueError(f"grouped partitions: lattice indices reach {float(idx.abs().max()):.3g} at n={n} "
+        idx = torch.where(wide, lattice_points(torch.zeros_like(u), u, c, spacing), (u * k).to(torch.int64))
+        if int(idx.abs().max()) >= MAX_LATTICE_INDEX:
+            raise ValueError(f"grouped partitions: lattice indices reach {int(idx.abs().max())} at n={n} "
                              f"(limit 2^30): use backend='torch' for this length")
         out[..., lo:lo + u.numel()] = idx.to(torch.int32)
     return out, size.to(torch.int32).contiguous()
