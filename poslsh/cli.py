@@ -5,7 +5,9 @@ built by tyro from the command's config dataclass (see
 :class:`poslsh.experiments.command.Command`); ``--set key=value`` is kept as an alias
 of ``--key value`` (``--set model.hidden_size=256``, lists comma-separated), and
 ``--quick`` of ``--preset quick``. Errors in the configuration print one line and
-exit with code 2 (``--debug`` shows the traceback); Ctrl-C exits with 130.
+exit with code 2 (``--debug`` shows the traceback); Ctrl-C exits with 130. SIGTERM (``kill``,
+batch schedulers) is handled like Ctrl-C (a training run saves its checkpoint) and exits with 143:
+a job started in the background by a script ignores SIGINT, so SIGTERM is how it is stopped.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import contextlib
 import importlib
 import io
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -140,7 +144,27 @@ def _split_debug(argv: List[str]) -> Tuple[List[str], bool]:
     return [a for a in argv if a != "--debug"], debug
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so it unwinds like Ctrl-C (checkpoints are saved)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if threading.current_thread() is not threading.main_thread():   # handlers live in the main thread only
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    except Terminated:
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     cmds = commands()
     if not argv or argv[0] in ("-h", "--help"):
@@ -152,6 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"unknown command {name!r}; choose from {', '.join(cmds)}")
         cfg = parse(cmds[name], rest)
         return int(cmds[name].main(cfg) or 0)
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         return 130
     except ConfigError as e:

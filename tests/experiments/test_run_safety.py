@@ -1,6 +1,7 @@
 """Runs are never lost or mixed: complete-only checkpoints (manifest written last),
 resume from the newest complete one, a lock per run directory, tables of one config only,
-Ctrl-C ends with the checkpoint message and exit code 130."""
+Ctrl-C (and SIGTERM, even where SIGINT is ignored) ends with the checkpoint message and exit code
+130 (143)."""
 import json
 import os
 import signal
@@ -103,7 +104,14 @@ def test_table_includes_earlier_runs_only_of_the_same_setup(tmp_path, capsys):
                         progress=False, train_missing=False, include=old)
 
 
-def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path):
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # what `cmd &` in a script gives a background job
+
+
+@pytest.mark.parametrize("sig,code,ignore_sigint", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, False),
+                                                    (signal.SIGTERM, 143, True)],
+                         ids=["ctrl-c", "sigterm", "sigterm-background"])
+def test_interrupt_saves_and_exits_without_traceback(tmp_path, sig, code, ignore_sigint):
     cfg = tiny_cfg(tmp_path, method="alibi", steps=400, ckpt_interval=1000)
     request = tmp_path / "request.json"
     from poslsh.experiments.serialize import config_to_dict
@@ -111,15 +119,37 @@ def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "poslsh", "train", "--config-json", str(request), "--no-progress"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignore_sigint if ignore_sigint else None)
     deadline = time.time() + 240
     while time.time() < deadline and not list((run_dir(cfg)).glob("config.json")):
         time.sleep(0.2)
     time.sleep(2.0)                       # a few steps in
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=240)
     print(err[-2000:])
-    assert proc.returncode == 130
+    assert proc.returncode == code
     assert "checkpoint at step" in err and "rerun with --resume" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert latest_checkpoint(run_dir(cfg)) is not None
+
+
+def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
+    """A table's Ctrl-C/SIGTERM must reach every child, even those started by a table that a
+    script put in the background (they inherit SIGINT ignored): the children get SIGTERM."""
+    import threading
+    children, codes = table._Children(), []
+    child = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+             "print('ready', flush=True); time.sleep(120)"]
+    log = tmp_path / "child.log"
+    worker = threading.Thread(target=lambda: codes.append(children.run(child, log, dict(os.environ))))
+    worker.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    t0 = time.time()
+    children.interrupt()
+    worker.join(timeout=30)
+    print("child exit", codes, f"after {time.time() - t0:.2f} s")
+    assert codes == [-signal.SIGTERM]
+    assert children.run(child, log, dict(os.environ)) is None       # nothing starts after an interrupt

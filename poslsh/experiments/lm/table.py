@@ -319,17 +319,18 @@ class _Children:
                     self.procs.discard(proc)
 
     def interrupt(self) -> None:
-        """SIGINT to every child: each saves a checkpoint and exits; start no more."""
+        """SIGTERM to every child: each saves a checkpoint and exits; start no more. (Not
+        SIGINT: children of a table started in the background by a script ignore it.)"""
         with self.lock:
             self.stopped = True
             for proc in self.procs:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGTERM)
 
 
 def train_parallel(cfgs: Sequence[TrainConfig], jobs: int) -> None:
     """``python -m poslsh train --resume`` for each config in a subprocess, ``jobs`` at a time,
     each with ``cpu_count // jobs`` threads (independent small runs scale better than threads
-    do). Logs go to ``<run dir>/train.log``; Ctrl-C makes every child checkpoint and stop."""
+    do). Logs go to ``<run dir>/train.log``; Ctrl-C or SIGTERM makes every child checkpoint and stop."""
     from tqdm.auto import tqdm
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
