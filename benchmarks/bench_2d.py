@@ -63,9 +63,7 @@ def time_exact(G: int, sigma, repeats: int) -> float:
     mask = poslsh.alibi_nd_bias(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
                                 dtype=torch.float32)[None]
     with torch.no_grad():
-        t = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
-    del mask
-    return t
+        return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
 
 def main() -> int:

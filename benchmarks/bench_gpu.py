@@ -289,6 +289,18 @@ class Bench:
             return fn, (lambda: self._mask_elements(bm))
         raise ValueError(method)
 
+    def _time_mode(self, method: str, n: int, mode: str, fn, elements) -> Row:
+        """One timed row; its inputs are freed on return, before the next mode allocates."""
+        grad = mode == "fwd+bwd"
+        q, k, v, dout = self.inputs(n, grad)
+        if grad:
+            ms = self.time(lambda: fn(q, k, v).backward(dout), [q, k, v])
+        else:
+            with torch.no_grad():
+                ms = self.time(lambda: fn(q, k, v), None)
+        flops = elements() * 4 * self.d * (BWD_FACTOR if grad else 1.0)
+        return Row(method, n, mode, "ok", ms, flops)
+
     def run(self, method: str, n: int, modes: List[str]) -> List[Row]:
         a = self.args
         if method in ("alibi-flex", "sdpa-dense") and n > a.dense_max_n:
@@ -299,18 +311,7 @@ class Bench:
         try:
             fn, elements = self.build(method, n)
             for mode in modes:
-                grad = mode == "fwd+bwd"
-                q, k, v, dout = self.inputs(n, grad)
-                if grad:
-                    def step():
-                        fn(q, k, v).backward(dout)
-                    ms = self.time(step, [q, k, v])
-                else:
-                    with torch.no_grad():
-                        ms = self.time(lambda: fn(q, k, v), None)
-                flops = elements() * 4 * self.d * (BWD_FACTOR if grad else 1.0)
-                rows.append(Row(method, n, mode, "ok", ms, flops))
-                del q, k, v, dout
+                rows.append(self._time_mode(method, n, mode, fn, elements))
         except torch.cuda.OutOfMemoryError as e:
             done = {r.mode for r in rows}
             rows += [Row(method, n, m, "oom", note=str(e).splitlines()[0][:120]) for m in modes if m not in done]
