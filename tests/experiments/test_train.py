@@ -246,6 +246,31 @@ def test_grouped_rows_in_table_and_findings():
     assert "better: alibi, poslsh-s20, poslsh-g20" in extra and "does NOT hold" in extra
 
 
+def test_fine_tuning_findings_are_table_2s():
+    """A LoRA table checks the paper's Table 2 claims: ALiBi stays ahead of PosLSH, grouped is
+    asked to be closer to ALiBi than i.i.d., and nobody beats the pretrained RoPE model at
+    extrapolated lengths (not Table 1's 'extrapolates better than RoPE')."""
+    def run(method, p1, p2):
+        return {"method": method, "seed": 0,
+                "eval": {"1x": {"context": 8, "ppl": p1, "acc": 40.0}, "2x": {"context": 16, "ppl": p2, "acc": 41.0}}}
+    res = [run("original", 14.0, 13.0), run("alibi", 16.0, 15.5), run("poslsh-s5", 17.0, 16.5),
+           run("poslsh-g5", 16.5, 16.0), run("fixed_blocks", 20.0, 20.0)]
+    rows = table.aggregate(res, ["original", "alibi", "poslsh-s5", "poslsh-g5", "fixed_blocks"])
+    found = table.findings(rows, fine_tuned=True)
+    print("\n".join(found))
+    assert len(found) == 4 and all("does NOT" not in f for f in found), found
+    assert "ALiBi stays ahead of PosLSH s=5" in found[0] and "+6.25%" in found[0] and "paper, Mistral-7B: +3.5%" in found[0]
+    assert "closer to ALiBi than i.i.d. s=5" in found[1] and "+3.12%" in found[1]
+    assert "neither ALiBi nor PosLSH beats the original" in found[3] and "better: none" in found[3]
+    text = table.render_markdown(rows, {"title": "t", "fine_tuned": True})
+    assert "neither ALiBi nor PosLSH beats" in text and "extrapolate better than RoPE" not in text
+    # ALiBi extrapolating past the pretrained model breaks Table 2's claim; grouped behind i.i.d. breaks issue 12's
+    rows = table.aggregate(res[:1] + [run("alibi", 16.0, 12.5), run("poslsh-s5", 17.0, 16.5),
+                                      run("poslsh-g5", 17.5, 16.0)], ["original", "alibi", "poslsh-s5", "poslsh-g5"])
+    found = table.findings(rows, fine_tuned=True)
+    assert found[1].endswith("does NOT hold.") and "better: alibi" in found[-1] and found[-1].endswith("does NOT hold.")
+
+
 # --------------------------------------------------------------- training
 @pytest.mark.skipif("python-doc" not in available_corpora(),
                     reason="python-doc corpus not installed (sudo apt-get install python3.11-doc)")

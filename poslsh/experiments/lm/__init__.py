@@ -3,7 +3,7 @@
 ``poslsh train --preset cpu --method poslsh-s10`` trains and evaluates one run;
 ``poslsh table --preset cpu`` runs every method x seed and writes the table.
 Each module owns one thing; imports point one way (config <- model, checkpoint
-<- loop, evaluation <- table <- commands):
+<- loop, evaluation, findings <- table <- commands):
 
 * :mod:`.config`: ``TrainConfig``/``ModelConfig``, the presets, methods, the
   command configs (run options that are not saved with a run);
@@ -11,7 +11,8 @@ Each module owns one thing; imports point one way (config <- model, checkpoint
 * :mod:`.checkpoint`: safetensors checkpoints written atomically, resolving ``--checkpoint``;
 * :mod:`.loop`: ``train``: optimizer, HF's linear LR schedule, resume, steps, ETA;
 * :mod:`.evaluation`: perplexity and accuracy at 1x, 2x, 4x the training length;
-* :mod:`.table`: aggregation over seeds, the paper's findings, parallel runs, dry run;
+* :mod:`.findings`: the paper's claims (Table 1's from scratch, Table 2's fine-tuned) checked;
+* :mod:`.table`: aggregation over seeds, rendering, parallel runs, dry run;
 * :mod:`.commands`: the ``train``, ``eval`` and ``table`` CLI commands.
 """
 from .config import PRESETS, ModelConfig, TrainConfig, get_preset, parse_method

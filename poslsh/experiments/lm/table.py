@@ -8,7 +8,6 @@ length, and the paper's claims checked against the numbers (:func:`findings`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import statistics
@@ -27,7 +26,8 @@ import torch.nn.functional as F
 from ...io import atomic_write_text, csv_text, markdown_table
 from ...threads import intra_op_threads
 from ..serialize import config_to_dict
-from .config import TrainConfig, experiment_config, method_label, parse_method, run_dir
+from .config import TrainConfig, experiment_config, method_label, run_dir
+from .findings import findings, get, lengths_of
 from .loop import estimate_minutes, train
 from .model import build_model
 
@@ -57,91 +57,21 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
     return rows
 
 
-def _get(rows, method, length, key="ppl_mean"):
-    for r in rows:
-        if r["method"] == method and r["length"] == length:
-            return r[key]
-    return None
-
-
-def _lengths(rows) -> List[str]:
-    return sorted({r["length"] for r in rows}, key=lambda s: int(s[:-1]))
-
-
-def _per_seed(rows: List[dict], method: str, ref: str, length: str) -> str:
-    """``method``'s PPL gap to ``ref`` seed by seed (runs with one seed share initialisation and
-    data order, so the gaps are paired)."""
-    a = _get(rows, ref, length, "ppl_by_seed") or {}
-    b = _get(rows, method, length, "ppl_by_seed") or {}
-    gaps = [100.0 * (b[k] / a[k] - 1.0) for k in sorted(set(a) & set(b))]
-    return f"; per seed: {', '.join(f'{g:+.2f}%' for g in gaps)}" if len(gaps) > 1 else ""
-
-
-def findings(rows: List[dict]) -> List[str]:
-    """The paper's claims (and issue 12's about grouped partitions), checked against ``rows``;
-    each line says holds / does not hold."""
-    out = []
-    lengths = _lengths(rows)
-    if not lengths:
-        return out
-    L = lengths[0]
-    ok = lambda c: "holds" if c else "does NOT hold"  # noqa: E731
-    kinds = {}
-    for r in rows:
-        if r["method"].startswith("poslsh-") and r["length"] == L:
-            p = parse_method(r["method"])
-            kinds.setdefault(p.sampler, []).append((p.num_samples, r["method"]))
-    lsh, grouped = sorted(kinds.get("iid", [])), sorted(kinds.get("grouped", []))
-    for name, runs in (("", lsh), ("Grouped PosLSH: ", grouped)):
-        if len(runs) > 1:
-            ppls = [_get(rows, m, L) for _, m in runs]
-            mono = all(a >= b for a, b in zip(ppls, ppls[1:]))
-            out.append(f"{name}PPL improves as s grows ({', '.join(f's={s}: {p:.3f}' for (s, _), p in zip(runs, ppls))})"
-                       f": {ok(mono)}.")
-    alibi = _get(rows, "alibi", L)
-    if lsh and alibi:
-        s_max, m_max = lsh[-1]
-        gap = 100.0 * (_get(rows, m_max, L) / alibi - 1.0)
-        out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
-                   f"{_per_seed(rows, m_max, 'alibi', L)}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
-    for s_, m in grouped if alibi else []:     # issue 12: does grouped sampling close the gap?
-        gap = 100.0 * (_get(rows, m, L) / alibi - 1.0)
-        iid = _get(rows, f"poslsh-s{s_}", L)
-        vs = f"; i.i.d. s={s_}: {100.0 * (iid / alibi - 1.0):+.2f}%" if iid else ""
-        out.append(f"Grouped PosLSH s={s_} within 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
-                   f"{_per_seed(rows, m, 'alibi', L)}{vs}): {ok(abs(gap) <= 1.0)}.")
-    fixed = _get(rows, "fixed_blocks", L)
-    if (lsh or grouped) and fixed:
-        beats = [m for _, m in lsh + grouped if _get(rows, m, L) < fixed]
-        out.append(f"PosLSH beats fixed blocks at the training length (fixed: {fixed:.3f}; beaten by "
-                   f"{', '.join(beats) or 'none'}): {ok(len(beats) == len(lsh) + len(grouped))}.")
-    for length in lengths[1:]:
-        rope = _get(rows, "original", length)
-        if rope is None:
-            continue
-        cands = ["alibi"] + [m for _, m in lsh + grouped]
-        better = [m for m in cands if (_get(rows, m, length) or math.inf) < rope]
-        present = [m for m in cands if _get(rows, m, length) is not None]
-        out.append(f"ALiBi/PosLSH extrapolate better than RoPE at {length} (RoPE PPL {rope:.3f}; better: "
-                   f"{', '.join(better) or 'none'}): {ok(present and len(better) == len(present))}.")
-    return out
-
-
 # ------------------------------------------------------------------- rendering
 def render_markdown(rows: List[dict], meta: dict) -> str:
     """``table.md``: title, command/setup/evaluation notes, the table, the checked findings."""
-    lengths = _lengths(rows)
+    lengths = lengths_of(rows)
     ctx = {r["length"]: r["context"] for r in rows}
     head = ["Method", "Seeds"]
     for i, k in enumerate(lengths):
         head += [f"PPL @{ctx[k]}{' (training)' if i == 0 else ' (extrapolation)'}", f"Acc % @{ctx[k]}"]
     body = []
     for m in dict.fromkeys(r["method"] for r in rows):
-        n_seeds = _get(rows, m, lengths[0], "seeds")
+        n_seeds = get(rows, m, lengths[0], "seeds")
         cells = [method_label(m), str(n_seeds)]
         for k in lengths:
-            p, ps = _get(rows, m, k), _get(rows, m, k, "ppl_std")
-            a, as_ = _get(rows, m, k, "acc_mean"), _get(rows, m, k, "acc_std")
+            p, ps = get(rows, m, k), get(rows, m, k, "ppl_std")
+            a, as_ = get(rows, m, k, "acc_mean"), get(rows, m, k, "acc_std")
             if p is None:
                 cells += ["-", "-"]
             elif n_seeds > 1:
@@ -155,7 +85,7 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
             lines += [f"**{key.capitalize()}:** {meta[key]}", ""]
     lines += [markdown_table(head, body), "",
               "Mean ± sample standard deviation over the seeds counted in the Seeds column.", ""]
-    found = findings(rows)
+    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")))
     if found:
         lines += ["## The paper's findings, checked", ""] + [f"- {f}" for f in found] + [""]
     return "\n".join(lines)
@@ -166,8 +96,9 @@ def write_table(results: List[dict], methods: Sequence[str], out_dir: Path, meta
     rows = aggregate(results, methods)
     atomic_write_text(out_dir / "table.csv", csv_text(rows, CSV_FIELDS))
     slim = [{k: v for k, v in r.items() if k != "config"} for r in results]
-    atomic_write_text(out_dir / "table.json", json.dumps({"meta": meta, "rows": rows, "findings": findings(rows),
-                                                          "runs": slim}, indent=1))
+    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")))
+    atomic_write_text(out_dir / "table.json", json.dumps({"meta": meta, "rows": rows, "findings": found, "runs": slim},
+                                                         indent=1))
     atomic_write_text(out_dir / "table.md", render_markdown(rows, meta))
     return rows
 
@@ -286,7 +217,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
         title = ("Length extrapolation, trained from scratch (Table 1 analog)" if cfg.model.kind == "scratch"
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")
         meta = {"title": f"{title}: preset `{cfg.preset}`", "command": f"`{command}`" if command else "",
-                **describe(cfg, results)}
+                "fine_tuned": cfg.model.kind != "scratch", **describe(cfg, results)}
         if earlier:
             names = ", ".join(f"{m} ({sum(e['method'] == m for e in earlier)})"
                               for m in dict.fromkeys(e["method"] for e in earlier))
