@@ -66,3 +66,22 @@ def test_eval_streaming_cli(tmp_path, capsys):
     assert res["cache"]["kept_max"] <= res["cache"]["bound_max"]
     with pytest.raises(ConfigError, match="streaming: method alibi"):
         eval_main(replace(cmd, method="alibi"))
+
+
+def test_eval_init_evaluates_the_model_as_built(tmp_path, capsys):
+    """``--checkpoint init``: the untrained model (no checkpoint needed), filed as
+    ``eval-<split>-init.json`` beside, never over, the trained run's own evaluation."""
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=12, ckpt_interval=12)
+    base = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}
+    cmd = EvalCommand(**base, checkpoint="init", progress=False)
+    with pytest.raises(ConfigError, match="no checkpoint under"):
+        eval_main(replace(cmd, checkpoint=None))
+    assert eval_main(cmd) == 0
+    init = json.loads((run_dir(cfg) / "eval-test-init.json").read_text())
+    trained = train(cfg, progress=False, evaluate=True)
+    assert eval_main(cmd) == 0                                       # again, after training: same numbers
+    again = json.loads((run_dir(cfg) / "eval-test-init.json").read_text())
+    print({k: (init["eval"][k]["ppl"], trained["eval"][k]["ppl"]) for k in init["eval"]})
+    assert init["checkpoint"] == "init" and init["eval"] == again["eval"]
+    assert not (run_dir(cfg) / "eval-test.json").exists()
+    assert all(init["eval"][k]["ppl"] > 1.5 * trained["eval"][k]["ppl"] for k in init["eval"])

@@ -47,24 +47,28 @@ def train_main(cmd: TrainCommand) -> int:
 def eval_main(cmd: EvalCommand) -> int:
     """Evaluate a checkpoint as ``cmd.method``; writes ``eval-<split>.json`` in the run directory
     (or, for another run's checkpoint, ``eval-<split>-as-<method>.json`` next to that run);
-    ``--streaming`` writes ``eval-<split>[-as-<method>]-streaming.json``."""
+    ``--streaming`` writes ``eval-<split>[-as-<method>]-streaming.json``. ``--checkpoint init``
+    evaluates the model as built, before any step (LoRA: the pretrained model with its positional
+    scheme replaced; scratch: the initialisation), into ``eval-<split>-init[-streaming].json``."""
     cfg = experiment_config(cmd)
     check(cfg)
     if cmd.streaming and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
         raise ConfigError(f"streaming: method {cfg.method} attends to every earlier key (no bounded cache); "
                           "--streaming evaluates poslsh-s<k> and fixed_blocks")
-    ckpt = resolve_checkpoint(cmd.checkpoint, run_dir(cfg))
+    initial = cmd.checkpoint == "init"
+    ckpt = None if initial else resolve_checkpoint(cmd.checkpoint, run_dir(cfg))
     dist = Dist(cfg.device)
     if cmd.streaming and dist.world > 1:
         raise ConfigError("streaming: one sequential stream; run it in a single process, not under torchrun")
     data = load_data(cfg, dist)
     model = build_model(cfg, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
-    params = load_checkpoint_params(ckpt)
+    params = {} if initial else load_checkpoint_params(ckpt)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in params:
                 p.copy_(params[n])
-    res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": str(ckpt), "split": cfg.eval_split}
+    res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": "init" if initial else str(ckpt),
+           "split": cfg.eval_split}
     if cmd.streaming:
         res["streaming"] = evaluate_streaming(model, data.splits[cfg.eval_split], cfg, dist, progress=cmd.progress)
     else:
@@ -72,9 +76,11 @@ def eval_main(cmd: EvalCommand) -> int:
     if dist.main:
         # Another run's checkpoint evaluated as this method is filed with the checkpoint, under
         # a name that says so, never over this run's own evaluation.
-        own = run_dir(cfg).resolve() in ckpt.resolve().parents
-        name = f"eval-{cfg.eval_split}" + ("" if own else f"-as-{cfg.method}") + ("-streaming" if cmd.streaming else "")
+        own = initial or run_dir(cfg).resolve() in ckpt.resolve().parents
+        tag = "-init" if initial else ("" if own else f"-as-{cfg.method}")
+        name = f"eval-{cfg.eval_split}{tag}" + ("-streaming" if cmd.streaming else "")
         out = (run_dir(cfg) if own else ckpt.parent.parent) / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, json.dumps(res, indent=1))
         if cmd.streaming:
             r = res["streaming"]

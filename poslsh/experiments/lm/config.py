@@ -82,7 +82,7 @@ class TrainCommand(TrainConfig):
 
 @dataclass
 class EvalCommand(TrainConfig):
-    checkpoint: Optional[str] = None  # checkpoint dir, run dir or checkpoints/latest (default: this run's latest)
+    checkpoint: Optional[str] = None  # checkpoint dir, run dir, checkpoints/latest, or init: the model as built, untrained (default: this run's latest)
     progress: bool = True             # print each length's result as it finishes
     streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
 
