@@ -22,6 +22,9 @@ __all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand
            "Positional", "get_preset", "parse_method", "method_label", "check", "experiment_config", "run_dir"]
 
 METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")
+# The GPU tables add issue 12's grouped sampler beside the paper's i.i.d. rows.
+GPU_METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "poslsh-g5", "poslsh-g10",
+               "poslsh-g20", "fixed_blocks")
 
 
 @dataclass
@@ -136,7 +139,7 @@ PRESETS = {
         model=ModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                           intermediate_size=1536),
         seq_len=1024, batch_size=32, micro_batch_size=16, steps=6000, lr=5e-4, fixed_block_size=128,
-        eval_tokens=131072, eval_batch_tokens=65536, ckpt_interval=500),
+        eval_tokens=131072, eval_batch_tokens=65536, ckpt_interval=500, methods=GPU_METHODS),
     # LoRA fine-tuning of SmolLM2-135M with its RoPE replaced (Table 2's analog).
     "smoke-lora": TrainConfig(
         preset="smoke-lora", data=DataConfig(corpora=("python-doc",), tokenizer="smollm2", max_train_docs=20,
@@ -144,20 +147,21 @@ PRESETS = {
         model=ModelConfig(kind="lora"), method="alibi", seq_len=64, batch_size=2, micro_batch_size=2, steps=4,
         lr=1e-4, fixed_block_size=16, eval_tokens=256, eval_batch_tokens=1024, ckpt_interval=2,
         methods=("original", "alibi", "poslsh-s5"), seeds=(0,)),
-    # Reduced for 2 CPU cores (about an hour; SmolLM2 trains at ~80 tokens/s per core): 100 steps
-    # (102k tokens), five methods (PosLSH s=5 with both samplers), one seed, and twice the
-    # paper's learning rate as the run is short.
+    # Reduced for 2 CPU cores (about 1.5 h with --jobs 2; SmolLM2 + LoRA trains at ~110 tokens/s
+    # per core): 100 steps (102k tokens), five methods (PosLSH s=5 with both samplers), two seeds,
+    # and twice the paper's learning rate as the run is short.
     "cpu-lora": TrainConfig(
         preset="cpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
         seq_len=256, batch_size=4, micro_batch_size=2, steps=100, lr=2e-4, fixed_block_size=64,
         eval_tokens=4096, eval_batch_tokens=2048, ckpt_interval=20,
-        methods=("original", "alibi", "poslsh-s5", "poslsh-g5", "fixed_blocks"), seeds=(0,)),
+        methods=("original", "alibi", "poslsh-s5", "poslsh-g5", "fixed_blocks"), seeds=(0, 1)),
     # The complete fine-tuning table on a GPU.
     "gpu-lora": TrainConfig(
         preset="gpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
         seq_len=1024, batch_size=8, micro_batch_size=8, steps=2000, lr=1e-4, fixed_block_size=128,
         eval_tokens=65536, eval_batch_tokens=32768, ckpt_interval=250,
-        methods=("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")),
+        methods=("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "poslsh-g5",
+                 "poslsh-g10", "fixed_blocks")),
 }
 
 
