@@ -158,8 +158,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)
-    except Terminated:
-        return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -176,10 +174,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             raise ConfigError(f"unknown command {name!r}; choose from {', '.join(cmds)}")
         cfg = parse(cmds[name], rest)
         return int(cmds[name].main(cfg) or 0)
-    except Terminated:
-        raise
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     except ConfigError as e:
         if debug:
             raise

@@ -199,7 +199,7 @@ def resolve_checkpoint(path: Optional[str], run: Path) -> Path:
         ckpt = latest_checkpoint(ckpt) or ckpt
     if not (ckpt / "model.safetensors").exists():
         raise ConfigError(f"checkpoint: {path} is not a checkpoint (no model.safetensors): pass a checkpoint "
-                          "directory, its checkpoints/latest pointer or a run directory")
+                          "directory, its checkpoints/latest pointer, a run directory, or init (the untrained model)")
     return ckpt
 
 
