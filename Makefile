@@ -8,10 +8,10 @@ STAMP   := $(VENV)/.poslsh-installed
 
 .PHONY: setup demo test test-slow bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml paper/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q -e ".[all]" -e ./paper
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import poslsh
-from poslsh.io import atomic_write_json
-from poslsh.timing import sample_seconds
+from poslsh_paper.io import atomic_write_json
+from poslsh_paper.timing import sample_seconds
 
 B, D, S = 1, 64, 10
 SIGMAS = {"image": (1.0, 2.0, 4.0, 8.0), "alibi": (4.0, 16.0, 64.0, 256.0)}

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 import poslsh
 from poslsh.distributed import (comm_stats, context_parallel_attention, gather_layout, halo_exchange, key_ranges,
                                 shard_range)
-from poslsh.io import atomic_write_json, markdown_table
+from poslsh_paper.io import atomic_write_json, markdown_table
 
 S = 10                                                      # samples per head
 SMALL = dict(Hq=8, Hkv=2, d=64, dtype=torch.float32)        # measured on gloo (CPU)

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 import poslsh
 from poslsh import theory
-from poslsh.analysis.records import equivalent_samples
-from poslsh.io import atomic_write_json
-from poslsh.timing import median_seconds, sample_seconds
+from poslsh_paper.analysis.records import equivalent_samples
+from poslsh_paper.io import atomic_write_json
+from poslsh_paper.timing import median_seconds, sample_seconds
 
 B, H, D, S = 1, 4, 64, 10
 

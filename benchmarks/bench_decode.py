@@ -219,7 +219,7 @@ def main() -> int:
         print(f"  {k}: {v:.3f}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from poslsh.io import atomic_write_json
+    from poslsh_paper.io import atomic_write_json
     atomic_write_json(out, {"machine": machine(), "threads": a.threads, "steps": steps, "rows": rows,
                             "ratios": ratios})
     print(f"wrote {out}")

@@ -51,7 +51,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import poslsh  # noqa: E402
-from poslsh.io import atomic_savefig, atomic_write  # noqa: E402
+from poslsh_paper.io import atomic_savefig, atomic_write  # noqa: E402
 
 METHODS = ["poslsh-triton", "poslsh-torch", "alibi-flex", "alibi-window", "sdpa-dense", "fixed-blocks"]
 DEFAULT_NS = [4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576]

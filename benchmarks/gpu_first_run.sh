@@ -19,7 +19,7 @@
 # Total limit 590 s. Logs and results go to $OUT when it is set (else outputs/gpu_first_run/).
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="${PWD}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="${PWD}:${PWD}/paper${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DEST=${OUT:-outputs/gpu_first_run}
 mkdir -p "$DEST"

@@ -12,7 +12,7 @@ from .partitions_nd import PartitionsND, expected_mask, grid_coords, sample_part
 from .reference_nd import alibi_nd_attention, alibi_nd_bias, alibi_nd_matrix, kernel_attention, \
     poslsh_attention_nd_reference
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix",

@@ -2,7 +2,7 @@
 norms they bound, computed without ``O(s n^2)`` work.
 
 Bounds carry the paper's universal constant ``C`` as an explicit parameter
-(default 1: the theorems only say it exists; :mod:`poslsh.experiments.audit`
+(default 1: the theorems only say it exists; the paper app's ``poslsh audit``
 measures the smallest ``C`` that makes them hold on real inputs).
 """
 from __future__ import annotations

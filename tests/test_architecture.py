@@ -1,40 +1,48 @@
-"""The house rules, checked on the package's own source (see docs/architecture.md):
-every import points down the floors, no import cycles, no oversized modules."""
+"""The house rules, checked on the source of the library (``poslsh``) and of the paper's app
+(``paper/poslsh_paper``), see docs/architecture.md: every import points down the floors, the
+library never imports the app, no import cycles, no oversized modules."""
 import ast
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "poslsh"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_paper"}
 
 # Lowest floor first. A module may import from its own floor or any floor below it.
+# The library's floors come first, the app's after them: the library never imports the app.
 FLOORS: List[Tuple[str, List[str]]] = [
-    ("base", ["poslsh._validation", "poslsh.io", "poslsh.timing", "poslsh.threads", "poslsh.seeding"]),
-    ("core math", ["poslsh.alibi", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference", "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
-    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding", "poslsh"]),  # "poslsh" = the package's public face
-    ("analysis, data, models", ["poslsh.analysis", "poslsh.data", "poslsh.models"]),
+    ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
+    ("core math", ["poslsh.alibi", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference",
+                   "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
+    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding",
+            "poslsh"]),  # "poslsh" = the package's public face
     ("integrations", ["poslsh.integrations"]),
-    ("experiments", ["poslsh.experiments"]),
-    ("cli", ["poslsh.cli", "poslsh.__main__"]),
+    # ---- the paper's app (paper/poslsh_paper)
+    ("app base", ["poslsh_paper", "poslsh_paper.io", "poslsh_paper.timing"]),
+    ("analysis, data, models", ["poslsh_paper.analysis", "poslsh_paper.data", "poslsh_paper.models"]),
+    ("experiments", ["poslsh_paper.experiments"]),
+    ("cli", ["poslsh_paper.cli", "poslsh_paper.__main__"]),
 ]
-KERNELS = {"poslsh/ops/triton/_kernels.py"}    # Triton kernels may be long
+LIBRARY_FLOORS = 4
+KERNELS = {"poslsh.ops.triton._kernels"}    # Triton kernels may be long
 MAX_LINES = 420
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES: Dict[str, Path] = {module_name(p): p for p in ROOT.rglob("*.py")}
+MODULES: Dict[str, Path] = {module_name(root, p): p for root in PACKAGES.values() for p in root.rglob("*.py")}
 
 
 def floor_of(module: str) -> int:
     best, level = -1, None
     for i, (_, prefixes) in enumerate(FLOORS):
         for p in prefixes:
-            hit = module == p if p == "poslsh" else (module == p or module.startswith(p + "."))
+            hit = module == p if p in PACKAGES else (module == p or module.startswith(p + "."))
             if hit and len(p) > best:
                 best, level = len(p), i
     if level is None:
@@ -64,7 +72,7 @@ def imports_of(module: str) -> Set[str]:
         for name in names:
             while name and name not in MODULES:     # `import poslsh.ops.triton._launch` etc.
                 name = name.rpartition(".")[0]
-            if name.startswith("poslsh") and name != module:
+            if name.split(".")[0] in PACKAGES and name != module:
                 out.add(name)
     return out
 
@@ -99,9 +107,20 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_the_library_never_imports_the_app():
+    """Not even lazily, nor by a module name in a string (``importlib.import_module``)."""
+    offenders = [f"{m} imports {t}" for m, targets in sorted(GRAPH.items()) if m.split(".")[0] == "poslsh"
+                 for t in sorted(targets) if t.split(".")[0] == "poslsh_paper"]
+    offenders += [f"{m} names poslsh_paper" for m, path in sorted(MODULES.items())
+                  if m.split(".")[0] == "poslsh" and "poslsh_paper" in path.read_text()]
+    assert not offenders, "the library imports the app:\n" + "\n".join(offenders)
+    assert all(floor_of(m) < LIBRARY_FLOORS for m in MODULES if m.split(".")[0] == "poslsh")
+    assert all(floor_of(m) >= LIBRARY_FLOORS for m in MODULES if m.split(".")[0] == "poslsh_paper")
+
+
 def test_the_checker_sees_violations():
     """The two rules above can fail: an upward import and a cycle are detected."""
-    assert floor_of("poslsh.experiments.lm.loop") > floor_of("poslsh.partitions")
+    assert floor_of("poslsh_paper.experiments.lm.loop") > floor_of("poslsh.partitions")
     assert floor_of("poslsh.ops.triton._launch") == floor_of("poslsh.attention")
     assert "poslsh.ops.registry" in GRAPH["poslsh.ops.triton"]       # from ..registry import ...
     assert "poslsh.partitions" in GRAPH["poslsh.ops.triton._plan"]   # from ...partitions import ...
@@ -112,9 +131,9 @@ def test_the_checker_sees_violations():
 def test_modules_stay_small():
     big = []
     for m, path in sorted(MODULES.items()):
-        rel = str(path.relative_to(ROOT.parent))
+        rel = str(path.relative_to(REPO))
         lines = len(path.read_text().splitlines())
-        if rel not in KERNELS and lines > MAX_LINES:
+        if m not in KERNELS and lines > MAX_LINES:
             big.append(f"{rel}: {lines} lines")
     print("\n".join(big) or f"every module <= {MAX_LINES} lines")
     assert not big, f"modules over {MAX_LINES} lines (split them):\n" + "\n".join(big)

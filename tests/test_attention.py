@@ -4,7 +4,7 @@ import torch
 
 import poslsh
 
-from conftest import alibi_partitions, make_qkv
+from inputs import alibi_partitions, make_qkv
 
 
 def test_backends_listed_and_auto_runs():

@@ -6,7 +6,7 @@ import torch
 import poslsh
 from poslsh import theory
 
-from conftest import alibi_partitions
+from inputs import alibi_partitions
 
 
 @pytest.mark.parametrize("H", [4, 12])

@@ -6,7 +6,7 @@ import torch
 import poslsh
 from poslsh import theory
 
-from conftest import make_qkv
+from inputs import make_qkv
 
 
 def test_alibi_attention_matches_explicit_formula():

@@ -22,8 +22,7 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = 60     # a hang (a peer that died) fails instead of blocking the suite
 # (a module that is not installed is skipped by the server)
-PRELOAD = ["torch", "torch._dynamo", "poslsh.distributed", "cp_harness", "transformers",
-           "poslsh.experiments.lm.loop", "poslsh.integrations.hf"]
+PRELOAD = ["torch", "torch._dynamo", "poslsh.distributed", "cp_harness", "transformers", "poslsh.integrations.hf"]
 
 
 def free_port() -> int:
@@ -150,14 +149,3 @@ def error_worker(rank, world, n=60):
     except ValueError as e:
         messages["one_bad_rank"] = str(e)
     return messages
-
-
-# ------------------------------------------------------------------- training
-def train_worker(rank, world, cfg_dict):
-    """``poslsh train`` on this rank as under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from poslsh.experiments.lm.config import TrainConfig
-    from poslsh.experiments.lm.loop import train
-    from poslsh.experiments.serialize import config_from_dict
-
-    return train(config_from_dict(TrainConfig, cfg_dict), progress=False)

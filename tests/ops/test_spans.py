@@ -5,7 +5,7 @@ import torch
 
 import poslsh
 
-from conftest import make_qkv
+from inputs import make_qkv
 
 SIGMAS = torch.tensor([1.5, 6.0, 40.0, 400.0], dtype=torch.float64)
 

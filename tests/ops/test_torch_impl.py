@@ -5,7 +5,7 @@ import torch
 import poslsh
 from poslsh.reference import dense_attention_with_bias
 
-from conftest import alibi_partitions, make_qkv
+from inputs import alibi_partitions, make_qkv
 
 CASES = [  # (B, Hq, Hkv, n)
     (2, 4, 2, 1), (1, 4, 4, 2), (2, 8, 2, 97), (2, 12, 4, 97), (2, 4, 1, 1025), (1, 12, 3, 1025), (2, 8, 8, 300),

@@ -1,0 +1,192 @@
+"""``poslsh generate``: stream text from a trained model with the bounded KV cache.
+
+The model comes from a training run (``--checkpoint``: a run directory, a checkpoint
+directory or its ``checkpoints/latest`` pointer; the run's ``config.json`` rebuilds the
+model and its tokenizer) or from a directory saved with ``save_pretrained`` (``--model``,
+loaded with :func:`poslsh.integrations.hf.from_pretrained`, tokenizer from the same
+directory). Tokens stream to stdout (transformers' ``TextStreamer``); greedy by default,
+``--sample`` with ``--temperature`` / ``--top-k`` / ``--top-p`` through transformers'
+``GenerationConfig``. At the end a summary goes to stderr: prefill and decoding speed,
+and the cache: for poslsh / fixed_blocks models the keys each layer kept against its
+bound (:mod:`poslsh.integrations.hf_cache`), for the others the full cache.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from poslsh_paper.experiments.command import Command, ConfigError
+
+__all__ = ["GenerateConfig", "load_for_generation", "generate", "main", "COMMANDS"]
+
+
+@dataclass
+class GenerateConfig:
+    checkpoint: Optional[str] = None  # a training run directory, a checkpoint directory or checkpoints/latest
+    model: Optional[str] = None       # or a model directory saved with save_pretrained (with its tokenizer)
+    prompt: Optional[str] = None      # the prompt text
+    prompt_file: Optional[str] = None  # read the prompt from this file instead
+    max_new_tokens: int = 64          # tokens to generate
+    sample: bool = False              # sample instead of greedy decoding
+    temperature: float = 1.0          # sampling temperature
+    top_k: int = 50                   # sampling: keep the k most likely tokens (0 = all)
+    top_p: float = 1.0                # sampling: smallest set of tokens with this much probability (1 = all)
+    seed: int = 0                     # seed of the sampler
+    ignore_eos: bool = False          # keep generating after the end-of-text token
+    prefill_chunk: int = 4096         # prompt tokens per forward pass (0 = the whole prompt at once)
+    cache: str = "auto"               # auto (bounded for poslsh/fixed_blocks) | full (DynamicCache) | none
+    device: str = "auto"              # auto | cpu | cuda
+    threads: int = 0                  # torch intra-op threads (0 = torch default)
+
+    def check(self) -> None:
+        if (self.checkpoint is None) == (self.model is None):
+            raise ConfigError("pass exactly one of --checkpoint (a training run) and --model (a saved model directory)")
+        if (self.prompt is None) == (self.prompt_file is None):
+            raise ConfigError("pass exactly one of --prompt TEXT and --prompt-file FILE")
+        if self.prompt_file is not None and not Path(self.prompt_file).is_file():
+            raise ConfigError(f"--prompt-file: no such file {self.prompt_file}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling: need temperature > 0, top_k >= 0 and 0 < top_p <= 1, got "
+                              f"{self.temperature}, {self.top_k}, {self.top_p}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"--prefill-chunk: must be >= 0, got {self.prefill_chunk}")
+        for name, allowed in (("cache", ("auto", "full", "none")), ("device", ("auto", "cpu", "cuda"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available")
+
+
+def _from_run(path: str):
+    """(model, HF tokenizer) of a training run's checkpoint."""
+    from transformers import PreTrainedTokenizerFast
+
+    from poslsh_paper.data.tokens import load_tokenizer
+    from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params, resolve_checkpoint
+    from poslsh_paper.experiments.lm.config import TrainConfig
+    from poslsh_paper.experiments.lm.model import build_model
+    from poslsh_paper.experiments.serialize import config_from_dict
+
+    ckpt = resolve_checkpoint(path, Path(path))
+    run = ckpt.parent.parent                      # <run>/checkpoints/step-XXXXXXXX
+    if not (run / "config.json").is_file():
+        raise ConfigError(f"--checkpoint: {run} has no config.json: pass a directory written by poslsh train")
+    cfg = config_from_dict(TrainConfig, json.loads((run / "config.json").read_text()))
+    tok = load_tokenizer(cfg.data, cfg.cache_dir or None)
+    model = build_model(cfg, tok.vocab_size, tok.separator_id)
+    params = load_checkpoint_params(ckpt)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in params:
+                p.copy_(params[n])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.backend.id_to_token(tok.separator_id))
+    return model, hf_tok, f"{run} ({ckpt.name}, {cfg.method})"
+
+
+def _from_directory(path: str):
+    from transformers import AutoTokenizer
+
+    from poslsh.integrations import hf
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"--model: {path} is not a model directory (no config.json)")
+    model = hf.from_pretrained(path, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model: {path} has no tokenizer AutoTokenizer can load ({e})".split("\n")[0]) from e
+    return model, tok, f"{path} ({model.config._attn_implementation})"
+
+
+def load_for_generation(cfg: GenerateConfig):
+    """``(model in eval mode, tokenizer, description)`` from ``--checkpoint`` or ``--model``."""
+    model, tok, what = _from_run(cfg.checkpoint) if cfg.checkpoint is not None else _from_directory(cfg.model)
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return model.to(device).eval(), tok, what
+
+
+class _TimedStreamer:
+    """transformers' ``TextStreamer`` that also notes when the first new token arrived."""
+
+    def __init__(self, tok):
+        from transformers import TextStreamer
+
+        self.inner, self.calls, self.first = TextStreamer(tok, skip_prompt=True), 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:           # the first call carries the prompt
+            self.first = time.perf_counter()
+        self.inner.put(value)
+
+    def end(self):
+        self.inner.end()
+
+
+def cache_summary(cache) -> str:
+    """One line about a cache after generation."""
+    from poslsh.integrations.hf_cache import PoslshCache
+
+    if isinstance(cache, PoslshCache):
+        st = cache.stats()
+        kept, bound = max(s["kept"] for s in st), max(s["bound"] or 0 for s in st)
+        return (f"bounded cache: {st[0]['tokens']} tokens seen, at most {kept} keys kept per layer (bound "
+                f"{bound}: the widest block - 1), {max(s['peak'] for s in st)} attended in one step, "
+                f"{cache.nbytes() / 2**20:.2f} MiB")
+    if cache is None:
+        return "no cache (recomputed every step)"
+    n = cache.get_seq_length()
+    size = sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values) if t is not None)
+    return f"full cache: {n} keys per layer, {size / 2**20:.2f} MiB"
+
+
+def generate(cfg: GenerateConfig, model, tok) -> dict:
+    """Stream ``cfg.max_new_tokens`` tokens after the prompt; returns the numbers of the summary."""
+    from transformers import DynamicCache, GenerationConfig
+
+    prompt = cfg.prompt if cfg.prompt is not None else Path(cfg.prompt_file).read_text()
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+    if ids.shape[1] == 0:
+        raise ConfigError("the prompt encodes to no tokens")
+    eos = None if cfg.ignore_eos else tok.eos_token_id
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, temperature=cfg.temperature,
+                           top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=tok.eos_token_id or 0,
+                           prefill_chunk_size=(cfg.prefill_chunk or None) if cfg.cache != "none" else None,
+                           use_cache=cfg.cache != "none",
+                           return_dict_in_generate=True)
+    extra = {"cache": DynamicCache(config=model.config)} if cfg.cache == "full" else {}
+    torch.manual_seed(cfg.seed)
+    streamer = _TimedStreamer(tok)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=streamer,
+                             **extra)
+    t1 = time.perf_counter()
+    new = res.sequences.shape[1] - ids.shape[1]
+    first = streamer.first or t1
+    return {"prompt_tokens": ids.shape[1], "new_tokens": new, "prefill_s": first - t0,
+            "decode_tokens_per_s": (new - 1) / (t1 - first) if new > 1 and t1 > first else float("nan"),
+            "cache": cache_summary(getattr(res, "cache", None)), "sequences": res.sequences}
+
+
+def main(cfg: GenerateConfig) -> int:
+    cfg.check()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tok, what = load_for_generation(cfg)
+    st = generate(cfg, model, tok)
+    print(f"\n[{what}] prompt {st['prompt_tokens']} tokens, prefill {st['prefill_s']:.2f} s; {st['new_tokens']} new "
+          f"tokens at {st['decode_tokens_per_s']:.1f} tokens/s; {st['cache']}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = [Command("generate", "stream text from a trained model (bounded KV cache for poslsh / fixed blocks)",
+                    GenerateConfig, {"default": GenerateConfig()}, "default", main)]

@@ -1,0 +1,25 @@
+"""Language models with positional LSH: the paper's section 6.2, scaled down.
+
+``poslsh train --preset cpu --method poslsh-s10`` trains and evaluates one run;
+``poslsh table --preset cpu`` runs every method x seed and writes the table.
+Each module owns one thing; imports point one way (config <- model, checkpoint
+<- loop, evaluation, findings <- table <- commands):
+
+* :mod:`.config`: ``TrainConfig``/``ModelConfig``, the presets, methods, the
+  command configs (run options that are not saved with a run);
+* :mod:`.model`: the model of a method (scratch Qwen3-style or LoRA), DDP facts, data;
+* :mod:`.checkpoint`: safetensors checkpoints written atomically, resolving ``--checkpoint``;
+* :mod:`.loop`: ``train``: optimizer, HF's linear LR schedule, resume, steps, ETA;
+* :mod:`.evaluation`: perplexity and accuracy at 1x, 2x, 4x the training length;
+* :mod:`.findings`: the paper's claims (Table 1's from scratch, Table 2's fine-tuned) checked;
+* :mod:`.table`: aggregation over seeds, rendering, parallel runs, dry run;
+* :mod:`.commands`: the ``train``, ``eval`` and ``table`` CLI commands.
+"""
+from poslsh_paper.experiments.lm.config import PRESETS, ModelConfig, TrainConfig, get_preset, parse_method
+from poslsh_paper.experiments.lm.evaluation import evaluate
+from poslsh_paper.experiments.lm.loop import train
+from poslsh_paper.experiments.lm.model import build_model
+from poslsh_paper.experiments.lm.table import run_table
+
+__all__ = ["PRESETS", "ModelConfig", "TrainConfig", "get_preset", "parse_method", "build_model", "train",
+           "evaluate", "run_table"]

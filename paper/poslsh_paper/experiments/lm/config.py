@@ -1,0 +1,262 @@
+"""What a language-model run is: dataclass configs, named presets, methods.
+
+A :class:`TrainConfig` fully determines a run (and is what ``config.json`` holds);
+the ``*Command`` subclasses add options of one invocation (resume, progress bar,
+table jobs) that are not part of the experiment. ``poslsh <command> --help``
+shows the comment after each field.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from poslsh_paper.data.tokens import SPLITS, DataConfig
+from poslsh_paper.experiments.command import ConfigError
+
+__all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand", "TableCommand", "PRESETS",
+           "Positional", "get_preset", "parse_method", "method_label", "check", "experiment_config", "run_dir"]
+
+METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")
+# The GPU tables add issue 12's grouped sampler beside the paper's i.i.d. rows.
+GPU_METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "poslsh-g5", "poslsh-g10",
+               "poslsh-g20", "fixed_blocks")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA
+    base: str = "smollm2"             # lora base: "smollm2" or a local Hugging Face model directory
+    hidden_size: int = 128            # scratch: model width
+    num_layers: int = 4               # scratch: decoder layers
+    num_heads: int = 8                # scratch: query heads
+    num_kv_heads: int = 4             # scratch: key/value heads (GQA)
+    head_dim: int = 16                # scratch: dimension per head
+    intermediate_size: int = 384      # scratch: MLP width
+    lora_r: int = 16                  # LoRA rank (the paper: r 16, alpha 32, dropout 0.05 on q/k/v/o)
+    lora_alpha: int = 32              # LoRA alpha
+    lora_dropout: float = 0.05        # LoRA dropout
+    lora_targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # modules LoRA adapts
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "custom"            # name of the preset this config came from (part of the run directory)
+    method: str = "poslsh-s10"        # original, alibi, fixed_blocks, poslsh-s<k> (iid) or poslsh-g<k> (grouped)
+    seed: int = 0                     # seeds init, data order, partitions and dropout
+    data: DataConfig = field(default_factory=DataConfig)     # corpora and tokenizer
+    model: ModelConfig = field(default_factory=ModelConfig)  # model shape or LoRA base
+    seq_len: int = 256                # training context length
+    batch_size: int = 16              # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 16        # sequences per forward pass on one rank (gradient accumulation)
+    steps: int = 1000                 # optimizer steps
+    lr: float = 1e-3                  # peak learning rate (AdamW, betas 0.9/0.999, eps 1e-8, as in the paper)
+    weight_decay: float = 0.01        # AdamW weight decay (not on norms and biases)
+    warmup_ratio: float = 0.1         # linear warmup over this fraction of the steps, then linear decay to 0
+    grad_clip: float = 1.0            # gradient-norm clip (0 = off)
+    fixed_block_size: int = 64        # block size of the fixed_blocks baseline (paper: 512 at 8k context)
+    eval_multipliers: Tuple[int, ...] = (1, 2, 4)   # eval context = multiplier x seq_len
+    eval_tokens: int = 32768          # scored tokens per eval length (the same tokens for every length)
+    eval_batch_tokens: int = 8192     # tokens per eval forward pass
+    eval_split: str = "test"          # split evaluated: test, validation or train
+    ckpt_interval: int = 200          # steps between checkpoints
+    keep_checkpoints: int = 2         # checkpoints kept per run (older ones are deleted)
+    device: str = "auto"              # auto | cpu | cuda
+    amp: str = "auto"                 # auto | bf16 | off: bf16 autocast on CUDA unless off
+    threads: int = 0                  # torch intra-op threads (0 = torch default)
+    context_parallel: int = 1         # ranks splitting each sequence (torchrun; poslsh/fixed_blocks): mesh data x this
+    runs_dir: str = "runs"            # runs live in <runs_dir>/<preset>/<method>/seed<k>/
+    cache_dir: str = ""               # token/tokenizer cache ("" = ~/.cache/poslsh or $POSLSH_CACHE)
+    methods: Tuple[str, ...] = METHODS  # methods `poslsh table` runs
+    seeds: Tuple[int, ...] = (0, 1, 2)  # seeds `poslsh table` runs
+
+
+# Options of one invocation: never saved in a run's config.json.
+@dataclass
+class TrainCommand(TrainConfig):
+    resume: bool = False              # continue from the run's latest checkpoint
+    overwrite: bool = False           # delete an existing run of the same name first
+    progress: bool = True             # show a progress bar
+
+
+@dataclass
+class EvalCommand(TrainConfig):
+    checkpoint: Optional[str] = None  # checkpoint dir, run dir, checkpoints/latest, or init: the model as built, untrained (default: this run's latest)
+    progress: bool = True             # print each length's result as it finishes
+    streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
+
+
+@dataclass
+class TableCommand(TrainConfig):
+    results_dir: str = "outputs"      # table.md/csv/json go to <results_dir>/<preset>/ (results: the committed reference)
+    dry_run: bool = False             # time a few steps per method and print an estimate; train nothing
+    aggregate_only: bool = False      # only tabulate finished runs
+    include_runs: str = ""            # an earlier table.json whose runs stand in for missing run directories
+    jobs: int = 1                     # runs trained in parallel (subprocesses with cpu_count/jobs threads each)
+    progress: bool = True             # show progress bars
+
+
+def experiment_config(cmd: TrainConfig) -> TrainConfig:
+    """The :class:`TrainConfig` part of a command config (what a run saves)."""
+    return TrainConfig(**{f.name: getattr(cmd, f.name) for f in fields(TrainConfig)})
+
+
+def _cpu_model() -> ModelConfig:
+    return ModelConfig(hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, intermediate_size=384)
+
+
+PRESETS = {
+    # End-to-end in well under 2 minutes on 2 cores: a few python-doc pages, a 512-token BPE.
+    "smoke": TrainConfig(
+        preset="smoke", data=DataConfig(corpora=("python-doc",), tokenizer="bpe:512", max_train_docs=40,
+                                        max_eval_docs=8),
+        model=ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          intermediate_size=128),
+        seq_len=64, batch_size=8, micro_batch_size=8, steps=30, lr=3e-3, fixed_block_size=16,
+        eval_tokens=2048, eval_batch_tokens=4096, ckpt_interval=10, seeds=(0, 1)),
+    # The from-scratch table (Table 1's analog) on 2 CPU cores in < 3 h: 7 methods x 3 seeds, run as
+    # `poslsh table --preset cpu --jobs 2`. Small batches learn far more per token at this scale (the
+    # paper uses batch 1): 2 x 256 tokens, 2800 steps = 1.4M tokens per run.
+    "cpu": TrainConfig(
+        preset="cpu", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
+        seq_len=256, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3, fixed_block_size=64,
+        eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400),
+    # Issue 12's longer-training check: the cpu preset with 3x the steps (same warmup ratio and
+    # linear decay, so the schedule stretches), ALiBi vs PosLSH s=20 i.i.d. / grouped, 2 seeds;
+    # about 2 h with --jobs 2 on 2 cores. Does the gap to ALiBi shrink with training?
+    "cpu-long": TrainConfig(
+        preset="cpu-long", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
+        seq_len=256, batch_size=2, micro_batch_size=2, steps=8400, lr=3e-3, fixed_block_size=64,
+        eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400,
+        methods=("alibi", "poslsh-s20", "poslsh-g20"), seeds=(0, 1)),
+    # A larger model and context for one GPU (the paper: Qwen3-0.6B at 8k; this is much smaller).
+    "gpu": TrainConfig(
+        preset="gpu", data=DataConfig(tokenizer="bpe:16384"),
+        model=ModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                          intermediate_size=1536),
+        seq_len=1024, batch_size=32, micro_batch_size=16, steps=6000, lr=5e-4, fixed_block_size=128,
+        eval_tokens=131072, eval_batch_tokens=65536, ckpt_interval=500, methods=GPU_METHODS),
+    # LoRA fine-tuning of SmolLM2-135M with its RoPE replaced (Table 2's analog).
+    "smoke-lora": TrainConfig(
+        preset="smoke-lora", data=DataConfig(corpora=("python-doc",), tokenizer="smollm2", max_train_docs=20,
+                                             max_eval_docs=4),
+        model=ModelConfig(kind="lora"), method="alibi", seq_len=64, batch_size=2, micro_batch_size=2, steps=4,
+        lr=1e-4, fixed_block_size=16, eval_tokens=256, eval_batch_tokens=1024, ckpt_interval=2,
+        methods=("original", "alibi", "poslsh-s5"), seeds=(0,)),
+    # Reduced for 2 CPU cores (about 1.5 h with --jobs 2; SmolLM2 + LoRA trains at ~110 tokens/s
+    # per core): 100 steps (102k tokens), five methods (PosLSH s=5 with both samplers), two seeds,
+    # and twice the paper's learning rate as the run is short.
+    "cpu-lora": TrainConfig(
+        preset="cpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
+        seq_len=256, batch_size=4, micro_batch_size=2, steps=100, lr=2e-4, fixed_block_size=64,
+        eval_tokens=4096, eval_batch_tokens=2048, ckpt_interval=20,
+        methods=("original", "alibi", "poslsh-s5", "poslsh-g5", "fixed_blocks"), seeds=(0, 1)),
+    # The complete fine-tuning table on a GPU.
+    "gpu-lora": TrainConfig(
+        preset="gpu-lora", data=DataConfig(tokenizer="smollm2"), model=ModelConfig(kind="lora"),
+        seq_len=1024, batch_size=8, micro_batch_size=8, steps=2000, lr=1e-4, fixed_block_size=128,
+        eval_tokens=65536, eval_batch_tokens=32768, ckpt_interval=250,
+        methods=("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "poslsh-g5",
+                 "poslsh-g10", "fixed_blocks")),
+}
+
+
+def get_preset(name: str) -> TrainConfig:
+    """A deep copy of preset ``name`` (mutating it leaves :data:`PRESETS` alone)."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+class Positional(NamedTuple):
+    """A method's positional scheme: the ``scheme``, ``num_samples``, ``sampler`` and
+    ``group_size`` fields of :class:`poslsh.integrations.hf.PositionalConfig`."""
+
+    scheme: str                       # original | alibi | poslsh | fixed_blocks
+    num_samples: int = 1              # s, partitions per head (poslsh only)
+    sampler: str = "iid"              # iid (poslsh-s<k>) | grouped (poslsh-g<k>)
+    group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: 4
+
+
+_METHOD = re.compile(r"poslsh-(s|g)([0-9]+)(?:k([0-9]+))?")
+
+
+def parse_method(method: str) -> Positional:
+    """``"poslsh-s10"`` -> ``Positional("poslsh", 10)`` (i.i.d. partitions);
+    ``"poslsh-g10"`` -> ``Positional("poslsh", 10, "grouped")`` (grouped sampling, groups
+    of at most 4, the library's default); ``"poslsh-g20k5"`` -> groups of at most 5.
+    Other methods have ``num_samples = 1``."""
+    if method in ("original", "alibi", "fixed_blocks"):
+        return Positional(method, 1)
+    m = _METHOD.fullmatch(method)
+    if m and int(m[2]) >= 1 and not (m[1] == "s" and m[3]) and (m[3] is None or int(m[3]) >= 1):
+        return Positional("poslsh", int(m[2]), "iid" if m[1] == "s" else "grouped",
+                          None if m[3] is None else int(m[3]))
+    raise ConfigError(f"method: unknown method {method!r}; use original, alibi, fixed_blocks, poslsh-s<k> "
+                      "(i.i.d. partitions, e.g. poslsh-s10), poslsh-g<k> (grouped, e.g. poslsh-g10) or "
+                      "poslsh-g<k>k<size> (grouped, groups of at most <size>)")
+
+
+METHOD_LABELS = {"original": "Original (RoPE)", "alibi": "ALiBi", "fixed_blocks": "Fixed blocks"}
+
+
+def method_label(method: str) -> str:
+    """The name a table prints: ``poslsh-s10`` -> ``Positional LSH, s=10``,
+    ``poslsh-g10`` -> ``Positional LSH, grouped, s=10``."""
+    m = _METHOD.fullmatch(method)
+    if m and m[1] == "s":
+        return f"Positional LSH, s={m[2]}"
+    if m:
+        return f"Positional LSH, grouped, s={m[2]}" + (f" (groups <= {m[3]})" if m[3] else "")
+    return METHOD_LABELS.get(method, method)
+
+
+def check(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the field) for a config no run can use."""
+    parse_method(cfg.method)
+    for name in ("steps", "seq_len", "batch_size", "micro_batch_size", "ckpt_interval", "eval_tokens",
+                 "eval_batch_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if not cfg.eval_multipliers or min(cfg.eval_multipliers) < 1:
+        raise ConfigError(f"eval_multipliers must be positive integers, got {cfg.eval_multipliers}")
+    if cfg.model.kind not in ("scratch", "lora"):
+        raise ConfigError(f"model.kind must be 'scratch' or 'lora', got {cfg.model.kind!r}")
+    choices = {"device": ("auto", "cpu", "cuda"), "amp": ("auto", "bf16", "off"), "eval_split": SPLITS}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for but this machine has no CUDA device; use --device cpu "
+                          "(or auto)")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError(f"keep_checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"lr must be > 0, got {cfg.lr}")
+    if cfg.threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
+    if not 1 <= cfg.context_parallel <= cfg.seq_len:
+        raise ConfigError(f"context_parallel must be between 1 and seq_len {cfg.seq_len}, got {cfg.context_parallel}")
+    if cfg.context_parallel > 1 and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
+        raise ConfigError(f"context_parallel: method {cfg.method} needs every earlier key (ring attention); "
+                          "context parallelism runs poslsh-s<k> and fixed_blocks")
+    check_directory("runs_dir", cfg.runs_dir)
+
+
+def check_directory(name: str, path: str) -> None:
+    """An output directory must be a directory (or not exist yet): checked before any work."""
+    p = Path(path)
+    for parent in (p, *p.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{name}: {parent} is a file, not a directory; choose another {name}")
+            break
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    """``<runs_dir>/<preset>/<method>/seed<k>``: where a run keeps its checkpoints and results."""
+    return Path(cfg.runs_dir) / cfg.preset / cfg.method / f"seed{cfg.seed}"

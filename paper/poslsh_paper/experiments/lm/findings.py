@@ -1,0 +1,109 @@
+"""The paper's claims (§6.2), and issue 12's about grouped partitions, checked against a table.
+
+Each line says what was compared, the numbers, and ``holds`` / ``does NOT hold``. From-scratch
+tables (Table 1 analog) check Table 1's claims; fine-tuning tables (Table 2 analog: a pretrained
+RoPE model whose RoPE is replaced and LoRA-tuned) check Table 2's, which differ: there ALiBi stays
+ahead of PosLSH, and neither beats the original model at extrapolated lengths.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+from poslsh_paper.experiments.lm.config import parse_method
+
+__all__ = ["findings", "get", "lengths_of", "PAPER_LORA_GAPS"]
+
+# Table 2 of the paper (Mistral-7B, LoRA, 4k): PosLSH's PPL gap to ALiBi at the training length, by s.
+PAPER_LORA_GAPS = {1: 100.0 * (6.957 / 6.498 - 1.0), 5: 100.0 * (6.725 / 6.498 - 1.0), 10: 100.0 * (6.698 / 6.498 - 1.0)}
+
+
+def get(rows, method, length, key="ppl_mean"):
+    """``key`` of the row for ``method`` at ``length`` (None if the table has no such row)."""
+    for r in rows:
+        if r["method"] == method and r["length"] == length:
+            return r[key]
+    return None
+
+
+def lengths_of(rows) -> List[str]:
+    """The table's lengths ('1x', '2x', ...), training length first."""
+    return sorted({r["length"] for r in rows}, key=lambda s: int(s[:-1]))
+
+
+def _per_seed(rows: List[dict], method: str, ref: str, length: str) -> str:
+    """``method``'s PPL gap to ``ref`` seed by seed (runs with one seed share initialisation and
+    data order, so the gaps are paired)."""
+    a = get(rows, ref, length, "ppl_by_seed") or {}
+    b = get(rows, method, length, "ppl_by_seed") or {}
+    gaps = [100.0 * (b[k] / a[k] - 1.0) for k in sorted(set(a) & set(b))]
+    return f"; per seed: {', '.join(f'{g:+.2f}%' for g in gaps)}" if len(gaps) > 1 else ""
+
+
+def _gap(rows, method: str, ref: str, length: str) -> Optional[float]:
+    a, b = get(rows, ref, length), get(rows, method, length)
+    return None if a is None or b is None else 100.0 * (b / a - 1.0)
+
+
+def findings(rows: List[dict], fine_tuned: bool = False) -> List[str]:
+    """The checked claims, one line each. ``fine_tuned``: the table fine-tunes a pretrained RoPE
+    model (Table 2's claims) instead of training from scratch (Table 1's)."""
+    out = []
+    lengths = lengths_of(rows)
+    if not lengths:
+        return out
+    L = lengths[0]
+    ok = lambda c: "holds" if c else "does NOT hold"  # noqa: E731
+    kinds = {}
+    for r in rows:
+        if r["method"].startswith("poslsh-") and r["length"] == L:
+            p = parse_method(r["method"])
+            kinds.setdefault(p.sampler, []).append((p.num_samples, r["method"]))
+    lsh, grouped = sorted(kinds.get("iid", [])), sorted(kinds.get("grouped", []))
+    for name, runs in (("", lsh), ("Grouped PosLSH: ", grouped)):
+        if len(runs) > 1:
+            ppls = [get(rows, m, L) for _, m in runs]
+            mono = all(a >= b for a, b in zip(ppls, ppls[1:]))
+            out.append(f"{name}PPL improves as s grows ({', '.join(f's={s}: {p:.3f}' for (s, _), p in zip(runs, ppls))})"
+                       f": {ok(mono)}.")
+    alibi = get(rows, "alibi", L)
+    if lsh and alibi:
+        s_max, m_max = lsh[-1]
+        gap = _gap(rows, m_max, "alibi", L)
+        if fine_tuned:
+            paper = PAPER_LORA_GAPS.get(s_max)
+            said = f"; paper, Mistral-7B: {paper:+.1f}% at s={s_max}" if paper is not None else ""
+            out.append(f"After fine-tuning ALiBi stays ahead of PosLSH s={s_max} at the training length (PPL gap "
+                       f"{gap:+.2f}%{_per_seed(rows, m_max, 'alibi', L)}{said}): {ok(gap > 0)}.")
+        else:
+            out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
+                       f"{_per_seed(rows, m_max, 'alibi', L)}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
+    for s_, m in grouped if alibi else []:     # issue 12: does grouped sampling close the gap?
+        gap, iid = _gap(rows, m, "alibi", L), _gap(rows, f"poslsh-s{s_}", "alibi", L)
+        vs = f"; i.i.d. s={s_}: {iid:+.2f}%" if iid is not None else ""
+        if fine_tuned:     # the paper's fine-tuning gaps are several %: ask for closer than i.i.d.
+            if iid is not None:
+                out.append(f"Grouped PosLSH s={s_} closer to ALiBi than i.i.d. s={s_} at the training length "
+                           f"(PPL gap {gap:+.2f}%{_per_seed(rows, m, 'alibi', L)}{vs}): {ok(gap < iid)}.")
+        else:
+            out.append(f"Grouped PosLSH s={s_} within 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
+                       f"{_per_seed(rows, m, 'alibi', L)}{vs}): {ok(abs(gap) <= 1.0)}.")
+    fixed = get(rows, "fixed_blocks", L)
+    if (lsh or grouped) and fixed:
+        beats = [m for _, m in lsh + grouped if get(rows, m, L) < fixed]
+        out.append(f"PosLSH beats fixed blocks at the training length (fixed: {fixed:.3f}; beaten by "
+                   f"{', '.join(beats) or 'none'}): {ok(len(beats) == len(lsh) + len(grouped))}.")
+    for length in lengths[1:]:
+        rope = get(rows, "original", length)
+        if rope is None:
+            continue
+        cands = ["alibi"] + [m for _, m in lsh + grouped]
+        better = [m for m in cands if (get(rows, m, length) or math.inf) < rope]
+        present = [m for m in cands if get(rows, m, length) is not None]
+        if fine_tuned:
+            out.append(f"After fine-tuning neither ALiBi nor PosLSH beats the original (RoPE) model at {length} "
+                       f"(RoPE PPL {rope:.3f}; better: {', '.join(better) or 'none'}): {ok(not better)}.")
+        else:
+            out.append(f"ALiBi/PosLSH extrapolate better than RoPE at {length} (RoPE PPL {rope:.3f}; better: "
+                       f"{', '.join(better) or 'none'}): {ok(present and len(better) == len(present))}.")
+    return out

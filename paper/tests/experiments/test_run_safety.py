@@ -1,0 +1,155 @@
+"""Runs are never lost or mixed: complete-only checkpoints (manifest written last),
+resume from the newest complete one, a lock per run directory, tables of one config only,
+Ctrl-C (and SIGTERM, even where SIGINT is ignored) ends with the checkpoint message and exit code
+130 (143)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from poslsh_paper.experiments.command import ConfigError  # noqa: E402
+from poslsh_paper.experiments.lm import table  # noqa: E402
+from poslsh_paper.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
+from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
+from poslsh_paper.experiments.lm.loop import train  # noqa: E402
+
+from test_train import REPO, tiny_cfg  # noqa: E402
+
+
+def _steps(run):
+    return sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+
+
+def test_damaged_checkpoints_are_skipped_reported_and_kept(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=9, ckpt_interval=3, keep_checkpoints=2)
+    train(cfg, progress=False, evaluate=False)
+    run = run_dir(cfg)
+    assert _steps(run) == ["step-00000006", "step-00000009"]          # keep_checkpoints=2 keeps two
+    newest = run / "checkpoints" / "step-00000009"
+    with open(newest / "model.safetensors", "r+b") as f:               # truncate the newest
+        f.truncate(100)
+    assert "bytes" in checkpoint_problem(newest)
+    (run / "checkpoints" / "latest").write_text("")                   # an empty pointer changes nothing
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-00000006"
+    err = capsys.readouterr().err
+    print(err)
+    assert f"skipping damaged checkpoint {newest}" in err
+    # resume takes the newest complete checkpoint, says which, and reaches the same end
+    done = train(cfg, resume=True, progress=False, evaluate=False)
+    err = capsys.readouterr().err
+    assert "from step 6" in err and "step-00000006" in err
+    assert done["steps"] == 9 and (run / "checkpoints" / "step-00000009" / "manifest.json").exists()
+
+
+def test_checkpoint_without_manifest_is_incomplete(tmp_path):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, ckpt_interval=3)
+    train(cfg, progress=False, evaluate=False)
+    ck = run_dir(cfg) / "checkpoints" / "step-00000003"
+    (ck / "manifest.json").unlink()
+    assert "no manifest.json" in checkpoint_problem(ck)
+    with pytest.raises(ConfigError, match="is damaged"):
+        from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params
+        load_checkpoint_params(ck)
+
+
+def test_second_process_on_a_run_is_refused(tmp_path):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3)
+    with run_lock(run_dir(cfg)):
+        with pytest.raises(ConfigError, match=f"in use by process {os.getpid()}"):
+            train(cfg, progress=False, evaluate=False)
+        with pytest.raises(ConfigError, match="in use"):                 # --overwrite too
+            train(cfg, overwrite=True, progress=False, evaluate=False)
+    train(cfg, progress=False, evaluate=False)                          # free again
+
+
+def test_table_uses_only_runs_of_its_config(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi",), seeds=(0, 1))
+    train(replace(cfg, seed=0), progress=False, evaluate=True)
+    train(replace(cfg, seed=1, steps=4), progress=False, evaluate=True)   # another config
+    results = table.run_table(cfg, ["alibi"], [0, 1], tmp_path / "results", progress=False, train_missing=False)
+    err = capsys.readouterr().err
+    print(err)
+    assert [r["seed"] for r in results] == [0]
+    assert "left out of the table: 1 run" in err and "steps 4 (table: 3)" in err and "--overwrite" in err
+    md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
+    assert "| ALiBi | 1 |" in md
+
+
+def test_table_includes_earlier_runs_only_of_the_same_setup(tmp_path, capsys):
+    """An earlier table.json fills in the method x seed runs that have no run directory (and
+    nothing is retrained for them); the table says which; another setup is refused."""
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi", "poslsh-s2"), seeds=(0,))
+    train(replace(cfg, method="alibi"), progress=False, evaluate=True)
+    earlier = tmp_path / "earlier"
+    table.run_table(cfg, ["alibi"], [0], earlier, progress=False, train_missing=False, command="first")
+    old = earlier / cfg.preset / "table.json"
+    moved = replace(cfg, runs_dir=str(tmp_path / "other-runs"))            # alibi has no run directory here
+    train(replace(moved, method="poslsh-s2"), progress=False, evaluate=True)
+    results = table.run_table(moved, ["alibi", "poslsh-s2"], [0], tmp_path / "results", progress=False,
+                              train_missing=True, include=old)
+    assert sorted(r["method"] for r in results) == ["alibi", "poslsh-s2"]
+    assert not (tmp_path / "other-runs" / cfg.preset / "alibi").exists()  # not retrained
+    md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
+    print(md)
+    assert "**Included:** 1 run(s) taken from" in md and "alibi (1)" in md and "| ALiBi | 1 |" in md
+    with pytest.raises(ConfigError, match="another setup"):
+        table.run_table(replace(moved, lr=moved.lr * 2), ["alibi", "poslsh-s2"], [0], tmp_path / "r2",
+                        progress=False, train_missing=False, include=old)
+
+
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # what `cmd &` in a script gives a background job
+
+
+@pytest.mark.parametrize("sig,code,ignore_sigint", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, False),
+                                                    (signal.SIGTERM, 143, True)],
+                         ids=["ctrl-c", "sigterm", "sigterm-background"])
+def test_interrupt_saves_and_exits_without_traceback(tmp_path, sig, code, ignore_sigint):
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=400, ckpt_interval=1000)
+    request = tmp_path / "request.json"
+    from poslsh_paper.experiments.serialize import config_to_dict
+    request.write_text(json.dumps(config_to_dict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(REPO / "paper"), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "poslsh_paper", "train", "--config-json", str(request), "--no-progress"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignore_sigint if ignore_sigint else None)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((run_dir(cfg)).glob("config.json")):
+        time.sleep(0.2)
+    time.sleep(2.0)                       # a few steps in
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=240)
+    print(err[-2000:])
+    assert proc.returncode == code
+    assert "checkpoint at step" in err and "rerun with --resume" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert latest_checkpoint(run_dir(cfg)) is not None
+
+
+def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
+    """A table's Ctrl-C/SIGTERM must reach every child, even those started by a table that a
+    script put in the background (they inherit SIGINT ignored): the children get SIGTERM."""
+    import threading
+    children, codes = table._Children(), []
+    child = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+             "print('ready', flush=True); time.sleep(120)"]
+    log = tmp_path / "child.log"
+    worker = threading.Thread(target=lambda: codes.append(children.run(child, log, dict(os.environ))))
+    worker.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    t0 = time.time()
+    children.interrupt()
+    worker.join(timeout=30)
+    print("child exit", codes, f"after {time.time() - t0:.2f} s")
+    assert codes == [-signal.SIGTERM]
+    assert children.run(child, log, dict(os.environ)) is None       # nothing starts after an interrupt
