@@ -1,7 +1,7 @@
 """poslsh: positional-LSH attention (Wolfson & Wagner), a near-linear approximation
 of ALiBi attention by random contiguous block masks."""
 from .alibi import alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes
-from .attention import available_backends, poslsh_attention
+from .attention import available_backends, poslsh_attention, windowed_alibi_attention
 from .partitions import Blocks, Partitions, sample_partitions
 from .reference import alibi_attention, poslsh_attention_reference
 from . import theory
@@ -17,7 +17,8 @@ __version__ = "0.2.0"
 __all__ = [
     "alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix",
     "Partitions", "Blocks", "sample_partitions",
-    "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "available_backends",
+    "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "windowed_alibi_attention",
+    "available_backends",
     "theory",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
     "alibi_nd_bias", "alibi_nd_matrix", "alibi_nd_attention", "kernel_attention", "poslsh_attention_nd_reference",

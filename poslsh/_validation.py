@@ -75,10 +75,11 @@ def check_scale(scale: Optional[float], head_dim: int) -> float:
     return scale
 
 
-def check_heads(partitions, num_heads: int) -> None:
-    if partitions.num_heads != num_heads:
-        raise ValueError(
-            f"partitions were built for {partitions.num_heads} heads but q has {num_heads} query heads")
+def check_heads(positional, num_heads: int) -> None:
+    """The partitions (or window) of a call must have one entry per query head."""
+    if positional.num_heads != num_heads:
+        what = "slopes and window give" if type(positional).__name__ == "AlibiWindow" else "partitions were built for"
+        raise ValueError(f"{what} {positional.num_heads} heads but q has {num_heads} query heads")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

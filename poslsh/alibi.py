@@ -7,12 +7,14 @@ paper's notation the attention weights are multiplied by
 from __future__ import annotations
 
 import math
-from typing import Optional
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix"]
+__all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "AlibiWindow", "make_window"]
 
 
 def _power_of_two_slopes(num_heads: int) -> list[float]:
@@ -84,3 +86,56 @@ def alibi_matrix(n: int, sigma, *, device=None) -> Tensor:
     pos = torch.arange(n, device=device, dtype=torch.float64)
     dist = (pos[:, None] - pos[None, :]).abs()
     return torch.exp(-dist / sigma.to(device)[:, None, None])
+
+
+@dataclass(frozen=True)
+class AlibiWindow:
+    """Exact ALiBi cut at a window per head: head ``h`` keeps the keys with ``|i - j| <= window[h]``
+    and gives them the ALiBi logit bias ``-slopes[h] * |i - j|``; every other key gets no weight.
+
+    Attributes:
+        slopes: float64 ``[H]``, ``m_h >= 0`` (``1 / sigma_h``).
+        window: int64 ``[H]``, ``w_h >= 0`` (0: a query sees itself only; ``>= n``: exact ALiBi).
+    """
+
+    slopes: Tensor
+    window: Tensor
+
+    @property
+    def num_heads(self) -> int:
+        return self.slopes.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slopes.device
+
+    def to(self, device) -> "AlibiWindow":
+        if self.slopes.device == torch.device(device):
+            return self
+        return AlibiWindow(self.slopes.to(device), self.window.to(device))
+
+
+def make_window(slopes, window: Union[int, Tensor], num_heads: Optional[int] = None) -> AlibiWindow:
+    """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``) and ``window`` (an int for every head,
+    or ``[H]`` integers ``>= 0``) into an :class:`AlibiWindow`; ``num_heads``, when given, must match."""
+    m = _as_1d(slopes, "slopes").detach().to(torch.float64)
+    if not bool(torch.isfinite(m).all()) or bool((m < 0).any()):
+        raise ValueError("slopes: ALiBi slopes must be finite and >= 0")
+    if num_heads is not None and m.numel() != num_heads:
+        raise ValueError(f"slopes: got {m.numel()} slopes for {num_heads} query heads")
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        w = torch.full((m.numel(),), int(window), dtype=torch.int64, device=m.device)
+    elif isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
+        if window.dtype.is_floating_point and not bool((window == window.round()).all()):
+            raise ValueError("window: per-head windows must be whole numbers of positions")
+        w = window.detach().reshape(-1).to(device=m.device, dtype=torch.int64)
+        if w.numel() == 1:
+            w = w.expand(m.numel()).clone()
+    else:
+        raise TypeError(f"window must be an int or an integer tensor [H] of per-head windows, got "
+                        f"{type(window).__name__}")
+    if w.numel() != m.numel():
+        raise ValueError(f"window: got {w.numel()} windows for {m.numel()} heads")
+    if bool((w < 0).any()):
+        raise ValueError(f"window: windows must be >= 0 (keys with |i - j| <= window attend), got {w.tolist()}")
+    return AlibiWindow(m, w)

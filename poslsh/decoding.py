@@ -75,7 +75,7 @@ def span_backend(backend: str, q: Tensor) -> str:
     load_backends()
     if backend == "auto":
         return backend
-    ok = {b.name for b in registry.registered() if b.spans and b.can_run(q)}
+    ok = {b.name for b in registry.registered("sequence") if "spans" in b.features["sequence"] and b.can_run(q)}
     return backend if backend in ok else "auto"
 
 

@@ -1,16 +1,18 @@
-"""Dense oracles: exact ALiBi attention and approximate attention with the
-empirical mean mask ``M~``. Both materialise ``[B, H, n, n]`` scores; every fast
-path is tested against them in float64.
+"""Dense oracles: exact ALiBi attention (whole, or cut at per-head windows) and approximate
+attention with the empirical mean mask ``M~``, for self-attention, queries and keys at given
+positions, and packed documents. All materialise ``[B, H, nq, nk]`` scores; every fast path is
+tested against them in float64.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from ._validation import check_heads, check_qkv, check_scale, compute_dtype
-from .alibi import _as_1d, alibi_bias
+from .alibi import make_window
+from .documents import Documents, make_documents
 from .partitions import Partitions, block_labels
 
 __all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention", "dense_attention_with_bias"]
@@ -18,7 +20,7 @@ __all__ = ["alibi_attention", "poslsh_attention_reference", "dense_attention", "
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, *,
                     allowed: Optional[Tensor] = None, causal: bool = False,
-                    scale: Optional[float] = None) -> Tensor:
+                    scale: Optional[float] = None, return_lse: bool = False):
     """``softmax(q k^T * scale + bias) v`` with GQA and masks, computed densely.
 
     The one dense attention of the library: the oracles below and the Hugging Face
@@ -32,10 +34,13 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = No
         allowed: boolean mask broadcastable to ``[B, Hq, nq, nk]``, True = attend.
         causal: also mask keys after each query.
         scale: logit scale, default ``1 / sqrt(d)``.
+        return_lse: also return ``log sum_j exp(logit_ij)`` over the keys each query attends to
+            (``[B, Hq, nq]``; ``-inf`` for a row with nothing to attend).
     Returns:
         ``[B, Hq, nq, dv]`` in ``q.dtype`` (computed in float32, or float64 for float64
-        input). Masked logits become the dtype's lowest finite value, not ``-inf``: a
-        row with nothing to attend (a padding query) gets uniform weights, not NaN.
+        input), and the log-sum-exp with ``return_lse``. Masked logits become the dtype's lowest
+        finite value, not ``-inf``: a row with nothing to attend (a padding query) gets uniform
+        weights, not NaN.
     """
     shape = check_qkv(q, k, v, kv_cache=True)
     scale = check_scale(scale, shape.head_dim)
@@ -51,11 +56,15 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = No
         qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
         later = torch.arange(nk, device=q.device)[None, :] > qpos
         keep = ~later if keep is None else keep & ~later
+    if return_lse:
+        real = scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(real, dim=-1)
     lowest = torch.finfo(ct).min
     if keep is not None:
         scores = scores.masked_fill(~keep, lowest)
     scores = scores.clamp_min(lowest)
-    return torch.matmul(torch.softmax(scores, dim=-1), vx).to(q.dtype)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vx).to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def dense_attention_with_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool = False,
@@ -72,50 +81,104 @@ def dense_attention_with_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, 
     return dense_attention(q, k, v, bias, causal=causal, scale=scale)
 
 
+def _positions(q: Tensor, k: Tensor, q_start: int, k_start: int, documents: Optional[Documents]):
+    """Float64 query and key positions (``[B or 1, nq]``, ``[B or 1, nk]``; restarting in every packed
+    document) and the boolean ``[B or 1, 1, nq, nk]`` mask of pairs in the same document (or None)."""
+    nq, nk = q.shape[2], k.shape[2]
+    if documents is None:
+        qpos = torch.arange(q_start, q_start + nq, dtype=torch.float64, device=q.device)[None]
+        kpos = torch.arange(k_start, k_start + nk, dtype=torch.float64, device=q.device)[None]
+        return qpos, kpos, None
+    local = documents.positions().to(torch.float64)
+    same = documents.start[:, :, None] == documents.start[:, None, :]
+    return local, local, same[:, None]
+
+
+def _documents(q: Tensor, k: Tensor, cu_seqlens, document_ids, q_start: int, k_start: int) -> Optional[Documents]:
+    docs = make_documents(q.shape[0], q.shape[2], cu_seqlens=cu_seqlens, document_ids=document_ids, device=q.device)
+    if docs is not None and (q_start or k_start or q.shape[2] != k.shape[2]):
+        raise ValueError("cu_seqlens / document_ids are for self-attention (q_start = k_start = 0, equal lengths)")
+    return docs
+
+
+def _causal(qpos_abs: Tensor, kpos_abs: Tensor) -> Tensor:
+    return kpos_abs[None, :] <= qpos_abs[:, None]
+
+
 def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = False,
-                    scale: Optional[float] = None) -> Tensor:
-    """Exact ALiBi attention: ``softmax(q k^T * scale - m_h |i - j|) v``.
+                    scale: Optional[float] = None, window: Union[int, Tensor, None] = None, q_start: int = 0,
+                    k_start: int = 0, cu_seqlens: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
+                    return_lse: bool = False):
+    """Exact ALiBi attention: ``softmax(q k^T * scale - m_h |i - j|) v``, densely (float64-safe).
 
     Args:
-        q: ``[B, Hq, n, d]``; k, v: ``[B, Hkv, n, d]`` / ``[B, Hkv, n, dv]`` (Hq a multiple of Hkv).
+        q: ``[B, Hq, nq, d]``; k, v: ``[B, Hkv, nk, d]`` / ``[B, Hkv, nk, dv]`` (Hq a multiple of Hkv).
         slopes: ``[Hq]`` ALiBi slopes ``m_h = 1 / sigma_h`` (see :func:`poslsh.alibi_slopes`).
         causal: mask keys after the query.
         scale: logit scale, default ``1 / sqrt(d)``.
+        window: keep only keys with ``|i - j| <= window_h`` (an int or int ``[Hq]``): the oracle of
+            :func:`poslsh.windowed_alibi_attention`; None: every key.
+        q_start, k_start: positions of the first query and key (queries and keys at given
+            positions need no equal lengths); default self-attention.
+        cu_seqlens, document_ids: packed documents (self-attention): no weight across documents,
+            see :mod:`poslsh.documents`.
+        return_lse: also return the log-sum-exp ``[B, Hq, nq]`` of the biased logits.
     Returns:
-        ``[B, Hq, n, dv]``. Dense ``O(n^2)`` memory: a reference, not a fast path.
+        ``[B, Hq, nq, dv]`` (and the log-sum-exp). Dense ``O(nq nk)`` memory: a reference, not a fast path.
     """
-    shape = check_qkv(q, k, v)
-    slopes = _as_1d(slopes, "slopes")
-    if slopes.numel() != shape.q_heads:
-        raise ValueError(f"got {slopes.numel()} slopes for {shape.q_heads} query heads")
-    if not bool(torch.isfinite(slopes).all()) or bool((slopes < 0).any()):
-        raise ValueError("ALiBi slopes must be finite and >= 0")
-    bias = alibi_bias(shape.seqlen, slopes.to(q.device), dtype=torch.float64, device=q.device)
-    return dense_attention_with_bias(q, k, v, bias, causal=causal, scale=scale)
+    shape = check_qkv(q, k, v, any_lengths=True)
+    docs = _documents(q, k, cu_seqlens, document_ids, q_start, k_start)
+    win = make_window(slopes, 0 if window is None else window, shape.q_heads)
+    qpos, kpos, same = _positions(q, k, q_start, k_start, docs)
+    dist = (qpos[:, :, None] - kpos[:, None, :]).abs()[:, None]                     # [B|1, 1, nq, nk]
+    bias = -win.slopes.to(q.device)[None, :, None, None] * dist                      # [B|1, H, nq, nk]
+    allowed = same
+    if window is not None:
+        inside = dist <= win.window.to(q.device)[None, :, None, None]
+        allowed = inside if allowed is None else allowed & inside
+    if causal:
+        qa = torch.arange(q_start, q_start + shape.seqlen, device=q.device)
+        ka = torch.arange(k_start, k_start + shape.kv_len, device=q.device)
+        later = _causal(qa, ka)[None, None]
+        allowed = later if allowed is None else allowed & later
+    return dense_attention(q, k, v, bias, allowed=allowed, scale=scale, return_lse=return_lse)
 
 
 def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
                                causal: bool = False, scale: Optional[float] = None, q_start: int = 0,
-                               k_start: int = 0) -> Tensor:
+                               k_start: int = 0, cu_seqlens: Optional[Tensor] = None,
+                               document_ids: Optional[Tensor] = None, return_lse: bool = False):
     """Approximate ALiBi attention with the mean mask ``M~`` (paper section 4), densely.
 
     ``T~_i = sum_k A_ik M~_ik v_k / sum_k A_ik M~_ik``, i.e. one softmax with the
     additive bias ``log(count_ik)`` where ``count_ik`` is the number of samples in
     which ``i`` and ``k`` share a block (``-inf`` where it is 0). Query row ``i`` is the
     token at position ``q_start + i`` and key row ``j`` the token at ``k_start + j``
-    (self-attention by default; other positions need no equal lengths).
+    (self-attention by default; other positions need no equal lengths). Packed documents
+    (``cu_seqlens`` / ``document_ids``): positions restart in every document and
+    ``count_ij`` is 0 across documents. ``return_lse`` adds ``log sum_k count_ik e^{s_ik}``.
     """
-    if q_start == 0 and k_start == 0 and q.shape[-2] == k.shape[-2]:
+    if q_start == 0 and k_start == 0 and q.shape[-2] == k.shape[-2] and cu_seqlens is None \
+            and document_ids is None:
         shape = check_qkv(q, k, v)
         check_heads(partitions, shape.q_heads)
         count = partitions.to(q.device).dense_count(shape.seqlen).to(torch.float64)
-        return dense_attention_with_bias(q, k, v, torch.log(count), causal=causal, scale=scale)
+        return dense_attention(q, k, v, torch.log(count), causal=causal, scale=scale, return_lse=return_lse)
     shape = check_qkv(q, k, v, any_lengths=True)
     check_heads(partitions, shape.q_heads)
+    docs = _documents(q, k, cu_seqlens, document_ids, q_start, k_start)
     parts = partitions.to(q.device)
-    qpos = torch.arange(q_start, q_start + shape.seqlen, dtype=torch.float64, device=q.device)
-    kpos = torch.arange(k_start, k_start + shape.kv_len, dtype=torch.float64, device=q.device)
-    lab_q, lab_k = (block_labels(parts.widths, parts.offsets, p) for p in (qpos, kpos))   # [H, s, P]
-    count = (lab_q[..., :, None] == lab_k[..., None, :]).sum(1).to(torch.float64)          # [H, nq, nk]
-    allowed = (kpos[None, :] <= qpos[:, None]) if causal else None
-    return dense_attention(q, k, v, torch.log(count), allowed=allowed, scale=scale)
+    qpos, kpos, same = _positions(q, k, q_start, k_start, docs)
+    counts = []
+    for qp, kp in zip(qpos, kpos):                                                   # batch rows (or one)
+        lab_q, lab_k = (block_labels(parts.widths, parts.offsets, p) for p in (qp, kp))   # [H, s, P]
+        counts.append((lab_q[..., :, None] == lab_k[..., None, :]).sum(1).to(torch.float64))   # [H, nq, nk]
+    count = torch.stack(counts)                                                      # [B|1, H, nq, nk]
+    if same is not None:
+        count = count * same
+    allowed = None
+    if causal:
+        qa = torch.arange(q_start, q_start + shape.seqlen, device=q.device)
+        ka = torch.arange(k_start, k_start + shape.kv_len, device=q.device)
+        allowed = _causal(qa, ka)[None, None]
+    return dense_attention(q, k, v, torch.log(count), allowed=allowed, scale=scale, return_lse=return_lse)

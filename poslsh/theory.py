@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -202,8 +201,20 @@ def max_norm_error(partitions: Partitions, n: int, *, row_chunk: int = 1024) -> 
     return out
 
 
-def _toeplitz_exp_matvec(x: np.ndarray, sigma: float) -> np.ndarray:
+def _numpy():
+    """numpy and scipy are needed only for the spectral norm (Lanczos): imported there."""
+    try:
+        import numpy
+        import scipy.sparse.linalg  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"the spectral norm needs numpy and scipy ({e.name} is missing): "
+                          "pip install numpy scipy (or poslsh[theory])") from None
+    return numpy
+
+
+def _toeplitz_exp_matvec(x, sigma: float):
     """``L* x`` for ``L*_ij = exp(-|i-j|/sigma)`` via circulant embedding and FFT, ``O(n log n)``."""
+    np = _numpy()
     n = x.shape[0]
     col = np.exp(-np.arange(n) / sigma)
     circ = np.concatenate([col, [0.0], col[:0:-1]])
@@ -211,11 +222,12 @@ def _toeplitz_exp_matvec(x: np.ndarray, sigma: float) -> np.ndarray:
     return np.fft.irfft(np.fft.rfft(circ) * fx, n=2 * n)[:n]
 
 
-def mask_error_matvec(start: np.ndarray, end: np.ndarray, s: int, sigma: float, n: int):
-    """``x -> (L* - M~) x`` for one head in ``O(n log n + #blocks)``; ``M~ x`` is a
+def mask_error_matvec(start, end, s: int, sigma: float, n: int):
+    """``x -> (L* - M~) x`` for one head in ``O(n log n + #blocks)`` (numpy arrays); ``M~ x`` is a
     sum of per-block sums computed with prefix sums (no matrix)."""
+    np = _numpy()
 
-    def matvec(x: np.ndarray) -> np.ndarray:
+    def matvec(x):
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         prefix = np.concatenate([[0.0], np.cumsum(x)])
         sums = prefix[end] - prefix[start]
@@ -229,7 +241,8 @@ def spectral_norm_error(partitions: Partitions, n: int, *, tol: float = 1e-6,
                         dense_below: int = 384) -> Tensor:
     """``||L* - M~||`` per head, float64 ``[H]``. Small ``n``: dense eigenvalues.
     Otherwise Lanczos (``scipy.sparse.linalg.eigsh``) on the symmetric matrix,
-    using :func:`mask_error_matvec`: ``O(n log n + #blocks)`` per iteration."""
+    using :func:`mask_error_matvec`: ``O(n log n + #blocks)`` per iteration. Needs numpy and scipy."""
+    np = _numpy()
     from scipy.sparse.linalg import LinearOperator, eigsh
 
     if partitions.sigma is None:

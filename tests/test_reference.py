@@ -50,3 +50,77 @@ def test_reference_rejects_wrong_head_count():
         poslsh.poslsh_attention_reference(q, k, v, poslsh.Partitions.fixed_blocks(2, 4))
     with pytest.raises(ValueError, match="slopes"):
         poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(3))
+
+
+# ------------------------------------------------- the oracles' own extensions, against loops
+def _loop_attention(q, k, v, weight, scale):
+    """Per (b, h, i): sum_j w_ij e^{s_ij} v_j / sum_j w_ij e^{s_ij} and log sum_j w_ij e^{s_ij}, by loops."""
+    B, Hq, nq, _ = q.shape
+    g = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, nq, v.shape[-1], dtype=torch.float64)
+    lse = torch.zeros(B, Hq, nq, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(nq):
+                w = torch.tensor([weight(b, h, i, j) for j in range(k.shape[2])], dtype=torch.float64)
+                e = w * torch.exp(scale * (k[b, h // g] @ q[b, h, i]))
+                out[b, h, i] = (e[:, None] * v[b, h // g]).sum(0) / e.sum()
+                lse[b, h, i] = torch.log(e.sum())
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_alibi_oracle_with_positions_equals_loops(causal):
+    q, k, v = make_qkv(1, 4, 2, 6, 3, seed=3)
+    k2, v2 = torch.cat([k, k[:, :, :3]], 2), torch.cat([v, v[:, :, :3]], 2)      # 9 keys at positions 2..10
+    slopes, window = poslsh.alibi_slopes(4), torch.tensor([0, 1, 3, 100])
+    out, lse = poslsh.alibi_attention(q, k2, v2, slopes, window=window, causal=causal, q_start=5, k_start=2,
+                                      return_lse=True)
+
+    def weight(b, h, i, j):
+        d = abs((5 + i) - (2 + j))
+        ok = d <= int(window[h]) and (not causal or 2 + j <= 5 + i)
+        return math.exp(-float(slopes[h]) * d) if ok else 0.0
+
+    want, want_lse = _loop_attention(q, k2, v2, weight, 3 ** -0.5)
+    assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_oracles_equal_loops_with_restarting_positions(causal):
+    """Both oracles with document_ids (per-row packing): the weight of a pair is its own kernel at
+    the positions inside the document, and 0 across documents."""
+    q, k, v = make_qkv(2, 2, 1, 7, 3, seed=4)
+    ids = torch.tensor([[0, 0, 0, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 9]])
+    starts = [[0, 0, 0, 3, 4, 4, 4], [0, 0, 0, 0, 0, 0, 6]]
+    parts = poslsh.sample_partitions(torch.tensor([1.5, 4.0], dtype=torch.float64), 3, seed=5)
+    count = parts.dense_count(7)
+    slopes = 1 / parts.sigma
+    oracles = [(lambda *a, **kw: poslsh.poslsh_attention_reference(*a, parts, **kw),
+                lambda h, a, b: float(count[h, a, b])),
+               (lambda *a, **kw: poslsh.alibi_attention(*a, slopes, **kw),
+                lambda h, a, b: math.exp(-float(slopes[h]) * abs(a - b)))]
+    for oracle, kernel in oracles:
+        out, lse = oracle(q, k, v, causal=causal, document_ids=ids, return_lse=True)
+
+        def weight(b, h, i, j):
+            same = ids[b, i] == ids[b, j] and (not causal or j <= i)
+            return kernel(h, i - starts[b][i], j - starts[b][j]) if same else 0.0
+
+        want, want_lse = _loop_attention(q, k, v, weight, 3 ** -0.5)
+        assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+
+
+def test_documents_are_checked_at_the_boundary():
+    q, k, v = make_qkv(2, 2, 2, 5, 3)
+    parts = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 2, seed=0)
+    with pytest.raises(ValueError, match="document_ids: row 0 has a document whose tokens are not contiguous"):
+        poslsh.poslsh_attention_reference(q, k, v, parts, document_ids=torch.tensor([[0, 1, 0, 2, 2]] * 2))
+    with pytest.raises(ValueError, match="batch of packed rows"):
+        poslsh.poslsh_attention_reference(q, k, v, parts, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="end at the sequence length 5"):
+        poslsh.alibi_attention(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
+        poslsh.alibi_attention(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0., 5.]))
+    with pytest.raises(ValueError, match="window: windows must be >= 0"):
+        poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor([1, -1]))

@@ -179,3 +179,18 @@ def test_grouped_bound_holds_and_iid_bound_is_kept():
     assert worst < 1.0
     with pytest.raises(ValueError, match="groups"):
         theory.grouped_max_norm_deviation_bound(n, 0.5, delta)
+
+
+def test_gamma2_quantile_equals_scipy():
+    """The grouped sampler's inverse CDF is plain torch (the library needs no scipy); scipy checks it."""
+    special = pytest.importorskip("scipy.special")
+    from poslsh.sampling import gamma2_quantile
+    u = torch.cat([torch.tensor([0.0, 1e-300, 1e-30, 1e-12, 1e-6, 0.5, 1 - 1e-6, 1 - 1e-12, 1 - 2 ** -53],
+                                dtype=torch.float64),
+                   torch.rand(10000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))])
+    got = gamma2_quantile(u)
+    want = torch.from_numpy(special.gammaincinv(2.0, u.numpy()))
+    rel = ((got - want).abs() / want.clamp_min(1e-300)).max()
+    print("max relative difference", float(rel))
+    assert float(rel) < 1e-13 and float(got[0]) == 0.0
+    assert torch.isinf(gamma2_quantile(torch.tensor([1.0], dtype=torch.float64))).all()

@@ -1,20 +1,34 @@
-"""Backends of :func:`poslsh.poslsh_attention`, registered in :mod:`.registry`:
+"""Backends of the library's ops, registered in :mod:`.registry`:
 ``"torch"`` (:mod:`.torch_impl`, portable near-linear), ``"triton"`` (:mod:`.triton`,
-fused GPU kernels, when triton is installed) and ``"reference"`` (dense float64-safe
-oracle from :mod:`poslsh.reference`)."""
+fused GPU kernels, when triton is installed) and ``"reference"`` (the dense float64-safe
+oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
-from .registry import Backend, register_backend, registered, resolve
+from .registry import Backend, Call, register_backend, registered, resolve
 
-__all__ = ["Backend", "register_backend", "registered", "resolve", "load_backends"]
+__all__ = ["Backend", "Call", "register_backend", "registered", "resolve", "load_backends"]
 
 _loaded = False
 
 
-def _reference(q, k, v, partitions, shape, causal, scale, span=None):
+def _reference_args(call: Call) -> dict:
+    args = dict(causal=call.causal, scale=call.scale, return_lse=True)
+    if call.span is not None:
+        args.update(q_start=call.span.q_start, k_start=call.span.k_start)
+    if call.documents is not None:       # a document's start index names it
+        args.update(document_ids=call.documents.start)
+    return args
+
+
+def _reference_sequence(call: Call):
     from ..reference import poslsh_attention_reference
-    starts = {} if span is None else {"q_start": span.q_start, "k_start": span.k_start}
-    return poslsh_attention_reference(q, k, v, partitions, causal=causal, scale=scale, **starts)
+    return poslsh_attention_reference(call.q, call.k, call.v, call.positional, **_reference_args(call))
+
+
+def _reference_window(call: Call):
+    from ..reference import alibi_attention
+    w = call.positional
+    return alibi_attention(call.q, call.k, call.v, w.slopes, window=w.window, **_reference_args(call))
 
 
 def load_backends() -> None:
@@ -23,7 +37,9 @@ def load_backends() -> None:
     if _loaded:
         return
     from . import torch_impl  # noqa: F401  (registers "torch")
-    register_backend("reference", _reference, lambda q: True, spans=True)
+    everything = ("spans", "documents", "lse")
+    register_backend("reference", _reference_sequence, op="sequence", features=everything)
+    register_backend("reference", _reference_window, op="window", features=everything)
     try:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:

@@ -1,63 +1,147 @@
-"""The backend registry: every implementation of ``poslsh_attention`` registers here.
+"""The backend registry: every implementation of the library's attention ops registers here.
 
-A backend is a function ``fn(q, k, v, partitions, shape, causal, scale) -> out``
-plus two predicates on the query tensor: ``can_run(q)`` (it would work on these
-tensors) and ``preferred(q)`` (``backend="auto"`` may pick it). ``"auto"`` takes
-the first preferred backend in decreasing ``priority``. Backends register
-themselves when their module is imported (:func:`poslsh.ops.load_backends`).
+Three ops share one registry:
+
+* ``"sequence"``: positional LSH on a 1-D sequence (:func:`poslsh.poslsh_attention`),
+  the positional object a :class:`~poslsh.partitions.Partitions`;
+* ``"window"``: exact ALiBi cut at a per-head window (:func:`poslsh.windowed_alibi_attention`),
+  the positional object an :class:`~poslsh.alibi.AlibiWindow`;
+* ``"grid"``: positional LSH on a 2-D token grid (:func:`poslsh.poslsh_attention_2d`),
+  the positional object a :class:`~poslsh.partitions_nd.PartitionsND`.
+
+A backend registers one function per op, ``fn(call: Call) -> (out, lse or None)``, with the
+optional features it supports (:data:`FEATURES`) and ``why_not(q)``: ``None`` when it can run
+on these tensors, else the reason in a few words (xformers' ``not_supported_reasons``).
+``backend="auto"`` takes the first *preferred* backend, in decreasing ``priority``, that can run
+and has every feature the call needs; naming a backend that cannot gives one ``ValueError``
+that says why and which backends can. Backends register themselves when their module is
+imported (:func:`poslsh.ops.load_backends`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["Backend", "register_backend", "registered", "resolve"]
+__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons"]
+
+OPS = ("sequence", "window", "grid")
+
+# What a call may need beyond plain self-attention.
+FEATURES = {
+    "spans": "queries and keys at given positions (q_start / k_start / seq_len)",
+    "documents": "packed documents (cu_seqlens / document_ids)",
+    "lse": "the log-sum-exp (return_lse=True)",
+}
+
+
+class Call(NamedTuple):
+    """One validated attention call, as the dispatcher hands it to a backend.
+
+    ``positional`` is the op's positional object (see the module docstring), already on
+    ``q.device``; ``shape`` the :class:`~poslsh._validation.AttnShape`; ``span`` a
+    :class:`~poslsh.ops.torch_plan.Span` when queries and keys sit at given positions (None:
+    self-attention); ``documents`` a :class:`~poslsh.documents.Documents` for packed
+    sequences (None: one document per row); ``grid`` the ``(height, width)`` of the ``"grid"``
+    op. A backend returns ``(out [B, Hq, n, dv] in q.dtype, lse [B, Hq, n] or None)``; ``lse``
+    (float32, float64 for float64 input, natural log) is required when ``return_lse``.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    positional: object
+    shape: object
+    causal: bool
+    scale: float
+    span: Optional[object] = None
+    documents: Optional[object] = None
+    return_lse: bool = False
+    grid: Optional[Tuple[int, int]] = None
+
+    def needs(self) -> FrozenSet[str]:
+        """The features this call needs (keys of :data:`FEATURES`)."""
+        out = set()
+        if self.span is not None:
+            out.add("spans")
+        if self.documents is not None:
+            out.add("documents")
+        if self.return_lse:
+            out.add("lse")
+        return frozenset(out)
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    fn: Callable[..., Tensor]              # (q, k, v, partitions, shape, causal, scale) -> out
-    can_run: Callable[[Tensor], bool]      # usable for these tensors
-    preferred: Callable[[Tensor], bool]    # eligible for backend="auto"
-    priority: int = 0                      # "auto" tries higher priorities first
-    spans: bool = False                    # accepts span= (queries and keys at given positions)
+    fns: Dict[str, Callable[[Call], Tuple[Tensor, Optional[Tensor]]]] = field(default_factory=dict)
+    features: Dict[str, FrozenSet[str]] = field(default_factory=dict)   # per op
+    why_not: Callable[[Tensor], Optional[str]] = lambda q: None          # None: can run on these tensors
+    preferred: Callable[[Tensor], bool] = lambda q: False               # eligible for backend="auto"
+    priority: int = 0                                                    # "auto" tries higher first
+
+    def can_run(self, q: Tensor) -> bool:
+        return self.why_not(q) is None
+
+    def missing(self, op: str, needs: Iterable[str]) -> List[str]:
+        """Why this backend cannot serve ``op`` with ``needs`` (empty: it can)."""
+        if op not in self.fns:
+            return [f"it does not implement the {op!r} op"]
+        return [f"it does not support {FEATURES[f]}" for f in sorted(needs) if f not in self.features[op]]
 
 
 _BACKENDS: Dict[str, Backend] = {}
 
 
-def register_backend(name: str, fn: Callable[..., Tensor], can_run: Callable[[Tensor], bool], *,
-                     preferred: Optional[Callable[[Tensor], bool]] = None, priority: int = 0,
-                     spans: bool = False) -> None:
-    """Register (or replace) backend ``name``; ``preferred`` defaults to "never auto-picked";
-    ``spans``: ``fn`` also takes ``span=`` (:class:`poslsh.ops.torch_plan.Span`)."""
-    _BACKENDS[name] = Backend(name, fn, can_run, preferred or (lambda q: False), priority, spans)
+def register_backend(name: str, fn: Callable[[Call], Tuple[Tensor, Optional[Tensor]]], *, op: str = "sequence",
+                     features: Iterable[str] = (), why_not: Optional[Callable[[Tensor], Optional[str]]] = None,
+                     preferred: Optional[Callable[[Tensor], bool]] = None, priority: Optional[int] = None) -> None:
+    """Register ``fn`` as backend ``name``'s implementation of ``op`` (replacing an earlier one).
+
+    ``why_not``, ``preferred`` and ``priority`` describe the backend as a whole; given again for
+    another op they replace the earlier ones. ``preferred`` defaults to "never auto-picked"."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")
+    old = _BACKENDS.get(name, Backend(name))
+    _BACKENDS[name] = Backend(
+        name, {**old.fns, op: fn}, {**old.features, op: frozenset(features)},
+        why_not or old.why_not, preferred or old.preferred, old.priority if priority is None else priority)
 
 
-def registered() -> List[Backend]:
-    """All registered backends, highest priority first."""
-    return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+def registered(op: Optional[str] = None) -> List[Backend]:
+    """The registered backends (those implementing ``op`` when given), highest priority first."""
+    return sorted((b for b in _BACKENDS.values() if op is None or op in b.fns), key=lambda b: -b.priority)
 
 
-def resolve(name: str, q: Tensor, *, spans: bool = False) -> Backend:
-    """The backend ``name`` (or the ``"auto"`` choice) for ``q``; a ValueError that
-    names the backend and the way out when it cannot run. ``spans``: the call places
-    queries and keys at given positions, which only some backends support."""
+def reasons(backend: Backend, call_op: str, needs: Iterable[str], q: Tensor) -> List[str]:
+    """Everything that stops ``backend`` from serving the call (empty: it can)."""
+    out = backend.missing(call_op, needs)
+    why = backend.why_not(q)
+    if why:
+        out.append(why)
+    return out
+
+
+def resolve(name: str, op: str, q: Tensor, needs: Iterable[str] = ()) -> Backend:
+    """The backend ``name`` (or the ``"auto"`` choice) for an ``op`` call on ``q`` that needs
+    the features ``needs``; a one-line ValueError that says why it cannot and which can."""
+    needs = frozenset(needs)
+    able = [b.name for b in registered(op) if not reasons(b, op, needs, q)]
     if name == "auto":
-        for b in registered():
-            if b.preferred(q) and b.can_run(q) and (b.spans or not spans):
+        for b in registered(op):
+            if b.preferred(q) and not reasons(b, op, needs, q):
                 return b
-        raise ValueError(f"backend='auto': no registered backend can run on {q.device} / {q.dtype} tensors")
+        wants = "".join(f", {FEATURES[f]}" for f in sorted(needs))
+        raise ValueError(f"backend='auto': no backend runs the {op!r} op on {q.device} / {q.dtype} tensors{wants}"
+                         + (f"; these can if named: {able}" if able else ""))
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown backend {name!r}; available: {sorted(_BACKENDS)}")
-    b = _BACKENDS[name]
-    if spans and not b.spans:
-        raise ValueError(f"backend={name!r} computes self-attention only (q_start = k_start = 0, equal lengths); "
-                         f"use one of {[x.name for x in registered() if x.spans]} for queries and keys at other positions")
-    if not b.can_run(q):
-        raise ValueError(f"backend={name!r} cannot run on {q.device} / {q.dtype} tensors; "
-                         f"use backend='auto' or one of {[x.name for x in registered() if x.can_run(q)]}")
-    return b
+    why = reasons(_BACKENDS[name], op, needs, q)
+    if why:
+        raise ValueError(f"backend={name!r} cannot run this call: {'; '.join(why)}; "
+                         f"use backend='auto' or one of {able}")
+    return _BACKENDS[name]

@@ -296,7 +296,7 @@ def cpu_oversubscribed() -> bool:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
               scale: float, span: Optional[Span] = None) -> Tensor:
-    """Entry point used by the dispatcher (``backend="torch"``); ``span`` places the queries
+    """Positional-LSH attention on the torch backend; ``span`` places the queries
     and keys in the sequence (default: self-attention)."""
     span = span or Span.self_attention(shape.seqlen)
     need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -313,4 +313,9 @@ def _single_thread(q: Tensor) -> bool:
             and cpu_oversubscribed())
 
 
-register_backend("torch", attention, lambda q: True, preferred=lambda q: True, priority=0, spans=True)
+def _sequence(call):
+    """The registry's entry (``backend="torch"``, op ``"sequence"``)."""
+    return attention(call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale, call.span), None
+
+
+register_backend("torch", _sequence, op="sequence", features=("spans",), preferred=lambda q: True, priority=0)

@@ -67,7 +67,7 @@ def test_missing_keys_are_an_error():
                                 causal=True, q_start=p, k_start=lo + 1, backend="torch")
     with pytest.raises(ValueError, match="seq_len"):               # non-causal needs the sequence end
         poslsh.poslsh_attention(q[:, :, p:p + 1], k[:, :, lo:], v[:, :, lo:], parts, q_start=p, k_start=lo)
-    with pytest.raises(ValueError, match="self-attention only"):
+    with pytest.raises(ValueError, match="does not support queries and keys at given positions"):
         poslsh.poslsh_attention(q[:, :, p:p + 1], k, v, parts, causal=True, q_start=p, backend="triton")
     with pytest.raises(ValueError, match="q_start"):
         poslsh.poslsh_attention(q[:, :, :1], k, v, parts, causal=True, q_start=-1)

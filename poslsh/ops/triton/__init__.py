@@ -12,6 +12,7 @@ See ``docs/triton.md`` for the design.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 try:
     import triton  # noqa: F401
@@ -29,18 +30,25 @@ if AVAILABLE:
 
     __all__ += ["attention", "triton_attention_fwd", "triton_attention_bwd", "is_available"]
 
-    def is_available(q) -> bool:
-        """CUDA tensors (fp16/bf16/fp32, head dim <= 256); CPU tensors under ``TRITON_INTERPRET=1``."""
-        if q.dtype not in SUPPORTED_DTYPES or q.dim() != 4 or q.shape[-1] > MAX_HEAD_DIM:
-            return False
-        if q.is_cuda:
-            return True
-        return q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    def why_not(q) -> Optional[str]:
+        """None for CUDA tensors (fp16/bf16/fp32, head dim <= 256) and CPU tensors under
+        ``TRITON_INTERPRET=1``; otherwise the reason."""
+        if q.dtype not in SUPPORTED_DTYPES:
+            return f"it runs {', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)} only, not {q.dtype}"
+        if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
+            return f"head_dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+        if q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            return None
+        return f"it needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got {q.device}"
 
-    def _backend(q, k, v, partitions, shape, causal, scale):
-        return attention(q, k, v, partitions, causal=causal, scale=scale)
+    def is_available(q) -> bool:
+        return why_not(q) is None
+
+    def _sequence(call):
+        return attention(call.q, call.k, call.v, call.positional, causal=call.causal, scale=call.scale), None
 
     # "auto" picks the kernel for CUDA tensors only (on CPU it runs under the interpreter: tests),
     # and only with a triton it can run on; backend="triton" on an older one raises the reason.
     _TOO_OLD = version_problem() is not None
-    register_backend("triton", _backend, is_available, preferred=lambda q: q.is_cuda and not _TOO_OLD, priority=10)
+    register_backend("triton", _sequence, op="sequence", why_not=why_not,
+                     preferred=lambda q: q.is_cuda and not _TOO_OLD, priority=10)
