@@ -5,6 +5,7 @@ from .attention import available_backends, poslsh_attention, windowed_alibi_atte
 from .partitions import Blocks, Partitions, sample_partitions
 from .reference import alibi_attention, poslsh_attention_reference
 from . import theory
+from .modules import PartitionSchedule, PoslshAttention
 # N dimensions (paper section 5): 2-D ALiBi over image patches, other positional kernels
 from .attention_nd import poslsh_attention_2d
 from .kernels import FixedWidth, GammaWidths
@@ -19,7 +20,7 @@ __all__ = [
     "Partitions", "Blocks", "sample_partitions",
     "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "windowed_alibi_attention",
     "available_backends",
-    "theory",
+    "theory", "PartitionSchedule", "PoslshAttention",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
     "alibi_nd_bias", "alibi_nd_matrix", "alibi_nd_attention", "kernel_attention", "poslsh_attention_nd_reference",
     "poslsh_attention_2d",

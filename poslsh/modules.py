@@ -1,0 +1,217 @@
+"""``nn.Module`` building blocks: the partition schedule of a layer and a drop-in attention module.
+
+:class:`PartitionSchedule` is *the* rule for which partitions an attention layer uses, shared by
+the Hugging Face integration, the vision model and :class:`PoslshAttention`:
+
+* training: fresh partitions for every step, seeded by ``(seed, step, layer)`` (the step travels
+  with the inputs, so gradient-checkpoint recomputation sees the same masks; without a step, the
+  schedule counts its own training calls);
+* evaluation: fixed partitions per ``(eval_seed, layer)``, the same at every call;
+* both cached on the device of the last call (no per-call host-to-device copy, no re-validation).
+
+Seeds come from :func:`poslsh.seeding.stable_seed` of
+``(tag + "train", seed, step, layer, num_heads, num_samples)`` in training and
+``(tag + "eval", eval_seed, layer, num_heads, num_samples)`` in evaluation, with
+``(sampler, group_size)`` appended for samplers other than i.i.d.; ``tag`` separates users that
+must not share masks (default ``""``: the Hugging Face rule since the first release).
+
+:class:`PoslshAttention` is multi-head attention with positional LSH as its only positional
+signal (GQA, causal, any sampler and ``s``, packed documents), with or without its own
+projections; see ``docs/model.md`` for a small decoder-only model built on it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .alibi import alibi_sigmas
+from .attention import poslsh_attention
+from .attention_nd import poslsh_attention_2d
+from .partitions import Partitions, _validate_sigma, check_sampler, sample_partitions
+from .partitions_nd import PartitionsND, sample_partitions_nd
+from .seeding import stable_seed
+
+__all__ = ["PartitionSchedule", "PoslshAttention"]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class PartitionSchedule:
+    """The partitions of one attention layer over training and evaluation (see the module docstring).
+
+    Args:
+        sigma: per-head bandwidths ``[H]`` (``1 / ALiBi slope``; :func:`poslsh.alibi_sigmas`).
+        num_samples: ``s``, partitions per head.
+        layer: the layer index (part of every seed).
+        seed: the run seed (training partitions); eval_seed: the evaluation seed.
+        sampler, group_size: as in :func:`poslsh.sample_partitions` (``"iid"``, ``"stratified"``,
+            ``"grouped"``).
+        dims: 1 for sequences (:class:`~poslsh.Partitions`), 2 for token grids
+            (:class:`~poslsh.PartitionsND` boxes, i.i.d. only).
+        tag: prefix of the seed keys (keeps two users of one seed apart).
+    """
+
+    def __init__(self, sigma, num_samples: int, *, layer: int = 0, seed: int = 0, eval_seed: int = 0,
+                 sampler: str = "iid", group_size: Union[int, str, None] = None, dims: int = 1, tag: str = ""):
+        self.sigma = _validate_sigma(sigma).detach().to("cpu", torch.float64)
+        self.num_samples = _positive_int("num_samples", num_samples)
+        check_sampler(sampler, group_size, name="sampler")
+        if dims not in (1, 2):
+            raise ValueError(f"dims must be 1 (sequences) or 2 (token grids), got {dims!r}")
+        if dims == 2 and sampler != "iid":
+            raise ValueError(f"sampler={sampler!r} with dims=2: token grids are sampled i.i.d. only")
+        for name, value in (("layer", layer), ("seed", seed), ("eval_seed", eval_seed)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        self.layer, self.seed, self.eval_seed = layer, seed, eval_seed
+        self.sampler, self.group_size, self.dims, self.tag = sampler, group_size, dims, str(tag)
+        self.auto_step = -1           # training calls seen without an explicit step
+        self._cache: dict = {}        # "train" / "eval" -> ((key, device), partitions)
+
+    @property
+    def num_heads(self) -> int:
+        return self.sigma.numel()
+
+    def key(self, training: bool, step: Optional[int] = None) -> tuple:
+        """The parts of the seed of the partitions used in that phase (and step)."""
+        H, s = self.num_heads, self.num_samples
+        if training:
+            key = (self.tag + "train", self.seed, int(step), self.layer, H, s)
+        else:
+            key = (self.tag + "eval", self.eval_seed, self.layer, H, s)
+        if self.sampler != "iid":      # i.i.d. keeps its seeds (and so every earlier run's partitions)
+            key += (self.sampler, self.group_size)
+        return key
+
+    def partitions(self, training: bool, step: Optional[int] = None, device=None) -> Union[Partitions, PartitionsND]:
+        """The partitions to use now, on ``device`` (default CPU). In training without ``step`` the
+        schedule's own call count stands in for it."""
+        if training and step is None:
+            self.auto_step += 1
+            step = self.auto_step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        key = self.key(training, step)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        slot = "train" if training else "eval"
+        hit = self._cache.get(slot)
+        if hit is not None and hit[0] == (key, device):
+            return hit[1]
+        if self.dims == 1:
+            parts = sample_partitions(self.sigma, self.num_samples, seed=stable_seed(*key), method=self.sampler,
+                                      group_size=self.group_size)
+        else:
+            parts = sample_partitions_nd(self.sigma, self.num_samples, seed=stable_seed(*key))
+        parts = parts.to(device)
+        self._cache[slot] = ((key, device), parts)
+        return parts
+
+    def __repr__(self) -> str:
+        return (f"PartitionSchedule(heads={self.num_heads}, samples={self.num_samples}, layer={self.layer}, "
+                f"seed={self.seed}, eval_seed={self.eval_seed}, sampler={self.sampler!r}, dims={self.dims})")
+
+
+class PoslshAttention(nn.Module):
+    """Multi-head attention whose only positional signal is positional LSH (an ALiBi estimate).
+
+    With ``embed_dim`` the module owns its projections and maps ``x [B, n, embed_dim]`` to
+    ``[B, n, embed_dim]``; without it, it attends given ``q [B, Hq, n, d]``, ``k, v [B, Hkv, n, d]``
+    and returns ``[B, Hq, n, dv]``. Partitions follow :class:`PartitionSchedule`: fresh per
+    (seed, step, layer) under ``train()``, fixed per (eval_seed, layer) under ``eval()``.
+
+    Args:
+        embed_dim: model width; None: no projections (the caller passes q, k, v).
+        num_heads: query heads ``Hq``; num_kv_heads: key/value heads (GQA, default ``Hq``).
+        head_dim: per-head width (default ``embed_dim // num_heads``; needed without projections
+            only for documentation).
+        num_samples: ``s``; sampler, group_size: see :func:`poslsh.sample_partitions`.
+        sigma: per-head bandwidths ``[Hq]`` (default :func:`poslsh.alibi_sigmas` ``(Hq)``: ALiBi's).
+        causal: decoder attention (keys ``<= i``); grids: raster order.
+        dims: 1 (sequences) or 2 (token grids; pass ``grid=(h, w)`` to ``forward``).
+        layer, seed, eval_seed: the schedule's seeds (see :class:`PartitionSchedule`).
+        bias: bias terms in the projections.
+        backend: ``poslsh_attention``'s backend (``"auto"``).
+    """
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: int = 8, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, num_samples: int = 10, sampler: str = "iid",
+                 group_size: Union[int, str, None] = None, sigma=None, causal: bool = True, dims: int = 1,
+                 layer: int = 0, seed: int = 0, eval_seed: int = 0, bias: bool = False, backend: str = "auto"):
+        super().__init__()
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.embed_dim = None if embed_dim is None else _positive_int("embed_dim", embed_dim)
+        if head_dim is None and embed_dim is not None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim ({embed_dim}) must be a multiple of num_heads ({num_heads}), "
+                                 "or pass head_dim")
+            head_dim = embed_dim // num_heads
+        self.head_dim = None if head_dim is None else _positive_int("head_dim", head_dim)
+        self.causal, self.dims, self.backend = bool(causal), dims, backend
+        sigma = alibi_sigmas(self.num_heads) if sigma is None else sigma
+        self.schedule = PartitionSchedule(sigma, num_samples, layer=layer, seed=seed, eval_seed=eval_seed,
+                                          sampler=sampler, group_size=group_size, dims=dims)
+        if self.schedule.num_heads != self.num_heads:
+            raise ValueError(f"sigma has {self.schedule.num_heads} heads but num_heads is {self.num_heads}")
+        if self.embed_dim is not None:
+            hd, E = self.head_dim, self.embed_dim
+            self.q_proj = nn.Linear(E, self.num_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(E, self.num_kv_heads * hd, bias=bias)
+            self.v_proj = nn.Linear(E, self.num_kv_heads * hd, bias=bias)
+            self.o_proj = nn.Linear(self.num_heads * hd, E, bias=bias)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, num_samples={self.schedule.num_samples}, "
+                f"sampler={self.schedule.sampler!r}, causal={self.causal}, dims={self.dims}")
+
+    def partitions(self, step: Optional[int] = None, device=None):
+        """The partitions the next call uses (training or evaluation, by ``self.training``)."""
+        return self.schedule.partitions(self.training, step, device)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, step: Optional[int] = None,
+               grid: Optional[Tuple[int, int]] = None, cu_seqlens: Optional[Tensor] = None,
+               document_ids: Optional[Tensor] = None) -> Tensor:
+        """Attention of ``q [B, Hq, n, d]`` over ``k, v [B, Hkv, n, d|dv]`` -> ``[B, Hq, n, dv]``."""
+        parts = self.partitions(step, q.device)
+        if self.dims == 2:
+            if grid is None:
+                raise ValueError("grid: a dims=2 PoslshAttention needs grid=(height, width) of the tokens")
+            if cu_seqlens is not None or document_ids is not None:
+                raise ValueError("cu_seqlens / document_ids: packed documents are for sequences (dims=1)")
+            return poslsh_attention_2d(q, k, v, parts, grid, causal=self.causal, backend=self.backend)
+        if grid is not None:
+            raise ValueError("grid: a dims=1 PoslshAttention attends sequences; build it with dims=2 for grids")
+        return poslsh_attention(q, k, v, parts, causal=self.causal, backend=self.backend, cu_seqlens=cu_seqlens,
+                                document_ids=document_ids)
+
+    def forward(self, x: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
+                step: Optional[int] = None, grid: Optional[Tuple[int, int]] = None,
+                cu_seqlens: Optional[Tensor] = None, document_ids: Optional[Tensor] = None) -> Tensor:
+        """``x [B, n, embed_dim]`` -> ``[B, n, embed_dim]`` (with projections), or
+        ``forward(q, k, v)`` with ``[B, H, n, d]`` tensors (without). ``step``: the training
+        step (partitions of that step); ``grid``: ``(height, width)`` for ``dims=2``;
+        ``cu_seqlens`` / ``document_ids``: packed documents (:mod:`poslsh.documents`)."""
+        docs = dict(step=step, grid=grid, cu_seqlens=cu_seqlens, document_ids=document_ids)
+        if self.embed_dim is None:
+            if k is None or v is None:
+                raise ValueError("a PoslshAttention without embed_dim takes q, k, v ([B, H, n, d] each)")
+            return self.attend(x, k, v, **docs)
+        if k is not None or v is not None:
+            raise ValueError("a PoslshAttention with projections takes x [B, n, embed_dim] only")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must be [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = self.attend(q, k, v, **docs)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))

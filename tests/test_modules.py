@@ -1,0 +1,90 @@
+"""PartitionSchedule (the one training / evaluation partition rule) and PoslshAttention (the
+drop-in module), against the op and the seeding rule they are made of."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import poslsh
+from poslsh.seeding import stable_seed
+
+from inputs import make_qkv
+
+BACKEND = "reference"    # packed documents: the torch backend's support lands with its own tests
+
+
+def test_schedule_fresh_per_step_fixed_in_eval_and_cached():
+    sched = poslsh.PartitionSchedule(poslsh.alibi_sigmas(4), 5, layer=3, seed=7, eval_seed=11)
+    a, b = sched.partitions(True, 0), sched.partitions(True, 1)
+    assert a != b and sched.partitions(True, 1) is b                        # fresh per step, cached
+    want = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 5, seed=stable_seed("train", 7, 1, 3, 4, 5))
+    assert b == want                                                        # the documented seed
+    e = sched.partitions(False)
+    assert e is sched.partitions(False) and e == poslsh.sample_partitions(
+        poslsh.alibi_sigmas(4), 5, seed=stable_seed("eval", 11, 3, 4, 5))
+    assert sched.partitions(True) == sched.partitions(True, 0) is not None   # no step: its own call count
+    g = poslsh.PartitionSchedule(poslsh.alibi_sigmas(4), 8, sampler="grouped", group_size=4)
+    assert g.partitions(True, 0).groups is not None and g.key(True, 0)[-2:] == ("grouped", 4)
+
+
+def test_schedule_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_samples"):
+        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 0)
+    with pytest.raises(ValueError, match="sampler"):
+        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3, sampler="nope")
+    with pytest.raises(ValueError, match="step must be an int"):
+        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3).partitions(True, -1)
+    with pytest.raises(ValueError, match="i.i.d. only"):
+        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3, sampler="grouped", dims=2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_with_projections_is_the_op(causal):
+    torch.manual_seed(0)
+    m = poslsh.PoslshAttention(24, 6, num_kv_heads=2, num_samples=4, causal=causal, layer=1, seed=3).double()
+    x = torch.randn(2, 37, 24, dtype=torch.float64, requires_grad=True)
+    out = m(x, step=5)
+    q = m.q_proj(x).view(2, 37, 6, 4).transpose(1, 2)
+    k = m.k_proj(x).view(2, 37, 2, 4).transpose(1, 2)
+    v = m.v_proj(x).view(2, 37, 2, 4).transpose(1, 2)
+    parts = m.schedule.partitions(True, 5)
+    ref = poslsh.poslsh_attention_reference(q, k, v, parts, causal=causal)
+    want = m.o_proj(ref.transpose(1, 2).reshape(2, 37, 24))
+    assert torch.allclose(out, want, atol=1e-12)
+    g1, = torch.autograd.grad(out.square().sum(), x)
+    g2, = torch.autograd.grad(want.square().sum(), x)
+    assert torch.allclose(g1, g2, atol=1e-10)
+    m.eval()
+    assert torch.equal(m(x), m(x)) and not torch.allclose(m(x), out)        # fixed eval partitions
+
+
+def test_module_without_projections_grids_and_documents():
+    q, k, v = make_qkv(1, 4, 2, 12, 8)
+    m = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, causal=False).eval()
+    parts = m.partitions()
+    cu = torch.tensor([0, 5, 12])
+    packed = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, causal=False, backend=BACKEND).eval()
+    assert torch.allclose(packed(q, k, v, cu_seqlens=cu),
+                          poslsh.poslsh_attention_reference(q, k, v, parts, cu_seqlens=cu), atol=1e-12)
+    assert torch.allclose(m(q, k, v), poslsh.poslsh_attention_reference(q, k, v, parts), atol=1e-12)
+    grid = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, dims=2, causal=False).eval()
+    want = poslsh.poslsh_attention_nd_reference(q, k, v, grid.partitions(), grid=(3, 4))
+    assert torch.allclose(grid(q, k, v, grid=(3, 4)), want, atol=1e-12)
+    with pytest.raises(ValueError, match="grid=\\(height, width\\)"):
+        grid(q, k, v)
+    with pytest.raises(ValueError, match="takes q, k, v"):
+        m(q)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        poslsh.PoslshAttention(8, 4, num_kv_heads=3)
+
+
+def test_example_model_trains_on_cpu():
+    """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.tiny_gpt import GPTConfig, train
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_samples=4)
+    data = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 40), dtype=torch.long)
+    _, losses = train(cfg, data, steps=40, batch=4, log_every=0)
+    print(losses[:3], losses[-3:])
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
