@@ -60,7 +60,7 @@ def time_poslsh(G: int, sigma, repeats: int, backward: bool = False) -> float:
 
 def time_exact(G: int, sigma, repeats: int) -> float:
     q, k, v, _ = inputs(G, sigma)
-    mask = poslsh.alibi_nd_bias(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
+    mask = poslsh.alibi_bias_nd(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
                                 dtype=torch.float32)[None]
     with torch.no_grad():
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)

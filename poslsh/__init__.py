@@ -8,10 +8,10 @@ from . import theory
 from .modules import PartitionSchedule, PoslshAttention
 # N dimensions (paper section 5): 2-D ALiBi over image patches, other positional kernels
 from .attention_nd import poslsh_attention_2d
-from .kernels import FixedWidth, GammaWidths
+from .widths import FixedWidth, GammaWidths
 from .partitions_nd import PartitionsND, expected_mask, grid_coords, sample_partitions_nd
-from .reference_nd import alibi_nd_attention, alibi_nd_bias, alibi_nd_matrix, kernel_attention, \
-    poslsh_attention_nd_reference
+from .reference import alibi_attention_nd, alibi_bias_nd, alibi_matrix_nd, kernel_attention_nd, \
+    poslsh_attention_reference_nd
 
 __version__ = "0.2.0"
 
@@ -22,6 +22,6 @@ __all__ = [
     "available_backends",
     "theory", "PartitionSchedule", "PoslshAttention",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
-    "alibi_nd_bias", "alibi_nd_matrix", "alibi_nd_attention", "kernel_attention", "poslsh_attention_nd_reference",
+    "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd", "poslsh_attention_reference_nd",
     "poslsh_attention_2d",
 ]

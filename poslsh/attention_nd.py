@@ -1,4 +1,5 @@
-"""``poslsh_attention_2d``: positional-LSH attention over a 2-D token grid (2-D ALiBi, paper section 5)."""
+"""``poslsh_attention_2d``: positional-LSH attention over a 2-D token grid (2-D ALiBi, paper
+section 5), the registry's ``"grid"`` op (backends ``"torch"`` and ``"reference"``)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -7,23 +8,22 @@ import torch
 from torch import Tensor
 
 from ._validation import check_heads, check_qkv, check_scale
-from .ops.torch_nd import attention_2d
+from .ops import load_backends, registry
 from .partitions_nd import PartitionsND, check_grid
-from .reference_nd import poslsh_attention_nd_reference
 
-__all__ = ["poslsh_attention_2d", "BACKENDS_2D"]
-
-BACKENDS_2D = ("auto", "torch", "reference")
+__all__ = ["poslsh_attention_2d"]
 
 
 def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions: PartitionsND, grid: Tuple[int, int], *,
-                        causal: bool = False, scale: Optional[float] = None, backend: str = "auto") -> Tensor:
+                        causal: bool = False, scale: Optional[float] = None, backend: str = "auto",
+                        return_lse: bool = False):
     """Positional-LSH approximation of 2-D ALiBi attention over an image's patch grid.
 
     Computes, for every query ``i`` (grid cell ``x_i``),
     ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``
     with ``s_ij = scale * q_i . k_j``, where ``box_t(i)`` is the box of ``x_i`` in sample ``t``:
     the 2-D ALiBi weights ``exp(-||x_i - x_j||_1 / sigma)`` replaced by the mean box mask ``M~``.
+    Every batch row is one image on the same grid.
 
     Args:
         q: ``[B, Hq, n, d]`` queries, ``n = height * width`` tokens in raster order (row-major).
@@ -37,10 +37,12 @@ def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions: PartitionsN
         scale: logit scale, default ``1 / sqrt(d)``.
         backend: ``"auto"`` / ``"torch"`` (near linear: query tiles against the bounding box of
             their samples' boxes, ``O(n (d + s))`` memory, no ``n x n`` tensor) or ``"reference"``
-            (the dense float64-capable oracle, ``n x n``).
+            (the dense float64-capable oracle, ``n x n``); ``available_backends(op="grid")``.
+        return_lse: also return ``log sum_j count_ij e^{s_ij}``, ``[B, Hq, n]`` (float32, float64
+            for float64 input): the ``"reference"`` backend only, so far.
 
     Returns:
-        ``[B, Hq, n, dv]`` in ``q.dtype``. Differentiable in ``q``, ``k``, ``v``.
+        ``[B, Hq, n, dv]`` in ``q.dtype`` (and the lse). Differentiable in ``q``, ``k``, ``v``.
     """
     if not isinstance(partitions, PartitionsND):
         raise TypeError(f"partitions must be a poslsh.PartitionsND (sample_partitions_nd), "
@@ -54,18 +56,35 @@ def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions: PartitionsN
     if height * width != shape.seqlen:
         raise ValueError(f"grid {height}x{width} has {height * width} tokens but q has seqlen {shape.seqlen}")
     scale = check_scale(scale, shape.head_dim)
-    if backend not in BACKENDS_2D:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS_2D)}, got {backend!r}")
-    if backend == "reference":
-        return poslsh_attention_nd_reference(q, k, v, partitions, grid=(height, width), causal=causal, scale=scale)
-    if q.device.type == "meta":
-        return torch.empty(*q.shape[:3], shape.v_dim, dtype=q.dtype, device=q.device)
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        if shape.head_dim == 0 and shape.batch > 0 and shape.v_dim > 0:   # logits all 0: weights = counts
-            pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
-            return poslsh_attention_2d(pad(q), pad(k), v, partitions, grid, causal=causal, scale=scale,
-                                       backend=backend)
-        return torch.zeros(*q.shape[:3], shape.v_dim, dtype=q.dtype, device=q.device) + 0 * (q.sum() + k.sum()
-                                                                                              + v.sum())
-    parts = partitions.to(q.device)
-    return attention_2d(q, k, v, parts.widths, parts.offsets, (height, width), bool(causal), scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    load_backends()
+    call = registry.Call(q, k, v, partitions, shape, bool(causal), scale, return_lse=return_lse, grid=(height, width))
+    chosen = registry.resolve(backend, "grid", q, call.needs())
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or q.device.type == "meta":
+        out, lse = _degenerate(call, chosen.name)
+    else:
+        out, lse = chosen.fns["grid"](call._replace(positional=partitions.to(q.device)))
+    return (out, lse) if return_lse else out
+
+
+def _degenerate(call: registry.Call, backend: str):
+    """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device: the exact answer
+    without running a kernel on empty tensors (as the 1-D dispatcher does)."""
+    q, k, v, shape = call.q, call.k, call.v, call.shape
+    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if q.device.type == "meta" or B == 0:
+        out = torch.empty(B, Hq, n, shape.v_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, Hq, n, dtype=lse_dtype, device=q.device)
+        if q.device.type == "meta":
+            return out, lse
+        keep = 0 * (q.sum() + k.sum() + v.sum())        # keeps autograd
+        return out + keep, lse + keep
+    pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
+    if shape.head_dim == 0:       # every logit is 0: the weights are the counts alone; one zero feature
+        q, k = pad(q), pad(k)
+    result = poslsh_attention_2d(q, k, pad(v) if shape.v_dim == 0 else v, call.positional, call.grid,
+                                 causal=call.causal, scale=call.scale, backend=backend, return_lse=call.return_lse)
+    out, lse = result if call.return_lse else (result, None)
+    return (out[..., :0] if shape.v_dim == 0 else out), lse

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from .alibi import alibi_sigmas
 from .attention import poslsh_attention
 from .attention_nd import poslsh_attention_2d
-from .partitions import Partitions, _validate_sigma, check_sampler, sample_partitions
+from .partitions import Partitions, check_sampler, sample_partitions
 from .partitions_nd import PartitionsND, sample_partitions_nd
+from .sampling import check_sigma
 from .seeding import stable_seed
 
 __all__ = ["PartitionSchedule", "PoslshAttention"]
@@ -59,7 +60,7 @@ class PartitionSchedule:
 
     def __init__(self, sigma, num_samples: int, *, layer: int = 0, seed: int = 0, eval_seed: int = 0,
                  sampler: str = "iid", group_size: Union[int, str, None] = None, dims: int = 1, tag: str = ""):
-        self.sigma = _validate_sigma(sigma).detach().to("cpu", torch.float64)
+        self.sigma = check_sigma(sigma).detach().to("cpu", torch.float64)
         self.num_samples = _positive_int("num_samples", num_samples)
         check_sampler(sampler, group_size, name="sampler")
         if dims not in (1, 2):

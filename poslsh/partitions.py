@@ -4,7 +4,8 @@ Random Binning Features: for bandwidth ``sigma`` draw a width
 ``b ~ Gamma(shape=2, scale=sigma)`` and an offset ``c ~ U[0, b]``; position ``u``
 hashes to ``h(u) = floor((u - c) / b)``. Positions with equal hash form a
 contiguous block, so one sample is a contiguous block-diagonal 0/1 mask ``M``
-and ``E[M_ij] = exp(-|i - j| / sigma)``.
+and ``E[M_ij] = exp(-|i - j| / sigma)``. Other width distributions
+(:mod:`poslsh.widths`) give other kernels: ``E[M_ij] = k(|i - j|)``.
 
 A :class:`Partitions` holds ``s`` such hash functions for each of ``H`` heads as
 float64 tensors. Sampling always runs on the CPU, so a seed gives the same
@@ -12,18 +13,21 @@ partitions whatever device they are moved to afterwards. The ``s`` masks may be
 drawn i.i.d. (the paper) or correlated but marginally exact (``"stratified"``,
 ``"grouped"``: see :mod:`poslsh.sampling`); grouped partitions keep their group
 structure (``Partitions.groups``), and :func:`group_count` counts a group's shared
-blocks by lattice arithmetic.
+blocks by lattice arithmetic. A :class:`~poslsh.partitions_nd.PartitionsND` (boxes in ``D``
+dimensions) is ``D`` of these, one per axis.
 """
 from __future__ import annotations
 
-import numbers
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .sampling import MAX_WIDTH, SAMPLERS, check_groups, draw_grouped, draw_iid, group_sizes, lattice_points
+from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
+                       draw, group_count, make_generator)
+from .widths import GammaWidths, WidthDistribution, kernel_matrix
 
 __all__ = ["Partitions", "Blocks", "sample_partitions", "hash_positions", "bin_start", "block_labels",
            "block_bounds", "group_count", "check_sampler", "SAMPLERS", "MAX_WIDTH"]
@@ -63,12 +67,19 @@ class Partitions:
             one lattice ``c + Z b / k`` (``k`` the group's size), so the groups are
             independent and :func:`group_count` applies; checked on construction.
             Stratified partitions are ``s`` groups of one.
+        distribution: the law the widths were drawn from (:mod:`poslsh.widths`; ``E[M]`` is its
+            kernel): :class:`~poslsh.widths.GammaWidths` ``(2)`` (ALiBi) unless told otherwise
+            when ``sigma`` is given, ``None`` for deterministic partitions.
+
+    Values are checked on construction, except on the meta device (no values to check); ``to``
+    moves checked values without checking them again.
     """
 
     widths: Tensor
     offsets: Tensor
     sigma: Optional[Tensor] = None
     groups: Optional[Tensor] = None
+    distribution: Optional[WidthDistribution] = None
 
     def __post_init__(self):
         w, c = self.widths, self.offsets
@@ -81,21 +92,29 @@ class Partitions:
         if w.dtype != torch.float64 or c.dtype != torch.float64:
             object.__setattr__(self, "widths", w.to(torch.float64))
             object.__setattr__(self, "offsets", c.to(torch.float64))
-        if not bool(torch.all(self.widths > 0)) or bool(torch.isnan(self.widths).any()):
+        values = w.device.type != "meta"
+        if values and (not bool(torch.all(self.widths > 0)) or bool(torch.isnan(self.widths).any())):
             raise ValueError("partition widths must be > 0")
-        if not bool(torch.isfinite(self.offsets).all()):
+        if values and not bool(torch.isfinite(self.offsets).all()):
             raise ValueError("partition offsets must be finite")
         if self.sigma is not None and not isinstance(self.sigma, Tensor):
-            object.__setattr__(self, "sigma", _validate_sigma(self.sigma))
+            object.__setattr__(self, "sigma", check_sigma(self.sigma))
         if self.sigma is not None and self.sigma.shape != (w.shape[0],):
             raise ValueError(f"sigma must have shape [H]={w.shape[0]}, got {tuple(self.sigma.shape)}")
         if self.groups is not None:
-            object.__setattr__(self, "groups", check_groups(self.widths, self.offsets, self.groups))
+            groups = check_groups(self.widths, self.offsets, self.groups) if values else self.groups.to(torch.int64)
+            object.__setattr__(self, "groups", groups)
+        if self.sigma is None and self.distribution is not None:
+            raise ValueError("a width distribution needs the sigma the widths were drawn for (got sigma=None)")
+        if self.sigma is not None:
+            object.__setattr__(self, "distribution", check_widths(self.distribution))
 
     def __eq__(self, other) -> bool:
-        """Equal values (widths, offsets, sigma, groups), whatever the tensor objects."""
+        """Equal values (widths, offsets, sigma, groups) and distribution, whatever the tensor objects."""
         if not isinstance(other, Partitions):
             return NotImplemented
+        if self.distribution != other.distribution:
+            return False
         pairs = [(self.widths, other.widths), (self.offsets, other.offsets), (self.sigma, other.sigma),
                  (self.groups, other.groups)]
         return all((a is None and b is None) or (a is not None and b is not None and a.device == b.device
@@ -119,21 +138,27 @@ class Partitions:
         return self.widths.device
 
     def to(self, device) -> "Partitions":
-        """The same partitions with their tensors on ``device`` (still float64)."""
+        """The same partitions with their tensors on ``device`` (still float64), any device
+        (``"meta"`` too): the values were checked on construction, so they are not checked again."""
         if self.widths.device == torch.device(device):
-            return self      # no copy, no re-validation (keeps torch.compile graphs whole)
-        sigma, groups = (None if x is None else x.to(device) for x in (self.sigma, self.groups))
-        return Partitions(self.widths.to(device), self.offsets.to(device), sigma, groups)
+            return self      # no copy (keeps torch.compile graphs whole)
+        moved = object.__new__(Partitions)
+        for f in dataclasses.fields(self):
+            x = getattr(self, f.name)
+            object.__setattr__(moved, f.name, x.to(device) if isinstance(x, Tensor) else x)
+        return moved
 
     def select_heads(self, heads) -> "Partitions":
         """The partitions of some heads (an index, slice or list), groups kept."""
         idx = [heads] if isinstance(heads, int) else heads
         pick = (lambda x: None if x is None else x[idx])
-        return Partitions(self.widths[idx], self.offsets[idx], pick(self.sigma), pick(self.groups))
+        return Partitions(self.widths[idx], self.offsets[idx], pick(self.sigma), pick(self.groups), self.distribution)
 
     def __repr__(self) -> str:
         kind = "fixed" if self.sigma is None else "sampled" if self.groups is None else \
-            f"sampled in {self.num_groups} groups"
+            "sampled in groups" if self.device.type == "meta" else f"sampled in {self.num_groups} groups"
+        if self.distribution is not None and self.distribution != GammaWidths():
+            kind += f", {self.distribution.name}"
         return f"Partitions({kind}, heads={self.num_heads}, samples={self.num_samples}, device={self.device})"
 
     # ------------------------------------------------------------ groups
@@ -187,8 +212,12 @@ class Partitions:
         Labels start at 0 for position 0 and increase along the sequence; two
         positions share a block in sample ``t`` iff their labels are equal.
         """
-        n = _check_length(n)
-        u = torch.arange(n, dtype=torch.float64, device=self.device)
+        return self.labels(torch.arange(_check_length(n), device=self.device))
+
+    def labels(self, positions: Tensor) -> Tensor:
+        """Block labels of integer ``positions`` (``[P]``, any order), int64 ``[H, s, P]``, relative
+        to position 0's bin: two positions share a block in sample ``t`` iff their labels are equal."""
+        u = positions.to(self.device, torch.float64)
         return block_labels(self.widths, self.offsets, u).to(torch.int64)
 
     def blocks(self, n: int) -> Blocks:
@@ -238,6 +267,14 @@ class Partitions:
         references, theory and plots only.
         """
         return self.dense_count(n).to(torch.float64) / self.num_samples
+
+    def expected_mean(self, n: int) -> Tensor:
+        """``E[M~]_ij = k(|i - j|; sigma_h)``, float64 ``[H, n, n]``: the kernel of the width
+        distribution (``L* = exp(-|i - j| / sigma)`` for Gamma(2)). Dense; needs sampled partitions."""
+        if self.sigma is None:
+            raise ValueError("fixed partitions are deterministic: E[M] = M, use dense_mean")
+        u = torch.arange(_check_length(n), dtype=torch.float64, device=self.device)
+        return kernel_matrix(self.distribution, (u[:, None] - u[None, :]).abs(), self.sigma)
 
     def dense_count(self, n: int) -> Tensor:
         """``count_ij`` = number of samples in which ``i`` and ``j`` share a block,
@@ -293,63 +330,10 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
 
 
 
-def group_count(i, j, width, origin, size) -> Tensor:
-    """In how many of a group's ``k = size`` masks positions ``i`` and ``j`` share a block.
-
-    The group's masks share the width ``b`` and their bin boundaries together are the
-    lattice ``origin + Z b / k`` (each point a boundary of exactly one mask, each mask's
-    boundaries ``b`` apart). For ``i < j`` a mask separates them iff one of its
-    boundaries lies in ``(i, j]``, and when ``j - i < b`` it has at most one there, so
-    the count is ``k - #{lattice points in (i, j]}``, and ``0`` when that is negative
-    (``j - i >= b``). ``O(1)`` per pair instead of ``k`` comparisons; equal to counting
-    mask by mask with :func:`block_labels` (tested). Bins of width ``<= 1`` hold one
-    position each (the geometry's convention). Elementwise with broadcasting; returns
-    int64 (``k`` where ``i == j``).
-    """
-    f64 = lambda x: torch.as_tensor(x, dtype=torch.float64)     # noqa: E731
-    i, j, b, c, k = f64(i), f64(j), f64(width), f64(origin), f64(size)
-    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
-    safe_b = torch.where(b > 1.0, b, torch.ones_like(b))         # narrow bins: answered below, never divided
-    pts = lattice_points(lo, hi, c, safe_b / k)
-    count = (k.to(torch.int64) - pts).clamp(min=0)
-    apart = (hi - lo >= b) | ((b <= 1.0) & (hi > lo))
-    return torch.where(apart, torch.zeros_like(count), count)
-
-
-def _validate_sigma(sigma) -> Tensor:
-    if isinstance(sigma, Tensor):
-        pass
-    elif isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) or (
-            isinstance(sigma, (list, tuple)) and all(isinstance(x, numbers.Real) and not isinstance(x, bool)
-                                                     for x in sigma)):
-        sigma = torch.as_tensor(sigma, dtype=torch.float64)
-    else:
-        raise TypeError(f"sigma must be a tensor, a number or a list of numbers (per-head bandwidths), "
-                        f"got {type(sigma).__name__}")
-    if sigma.dim() == 0:
-        sigma = sigma.reshape(1)
-    if sigma.dim() != 1 or sigma.numel() < 1:
-        raise ValueError(f"sigma must be a 1-D tensor of per-head bandwidths, got shape {tuple(sigma.shape)}")
-    if not sigma.dtype.is_floating_point:
-        sigma = sigma.to(torch.float64)
-    bad = ~torch.isfinite(sigma) | (sigma <= 0)
-    if bool(bad.any()):
-        raise ValueError(f"every sigma must be finite and > 0; got {sigma.tolist()}")
-    return sigma
-
-
-def _validate_seed(seed) -> int:
-    """An int torch.manual_seed accepts exactly (no silent flooring or overflow)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-    if not -(2 ** 63) <= int(seed) < 2 ** 64:
-        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
-    return int(seed)
-
-
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
                       seed: Optional[int] = None, method: str = "iid",
-                      group_size: Union[int, str, None] = None) -> Partitions:
+                      group_size: Union[int, str, None] = None,
+                      widths: Optional[WidthDistribution] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
@@ -360,42 +344,29 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
             CPU RNG is used.
         method: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
             masks, stratified widths) or ``"grouped"`` (groups of shifted grids with
-            stratified widths): every slot is marginally ``b ~ Gamma(2, sigma)``,
-            ``c | b ~ U[0, b)``, so ``E[M~] = L*`` exactly. See :mod:`poslsh.sampling`.
+            stratified widths): every slot is marginally ``b ~ widths(sigma)``,
+            ``c | b ~ U[0, b)``, so ``E[M~] = k`` exactly. See :mod:`poslsh.sampling`.
         group_size: ``"grouped"`` only: the largest group size ``k``, giving
             ``G = max(2, ceil(s / k))`` groups of nearly equal size; ``None``: ``k = 4``
             (:data:`~poslsh.sampling.DEFAULT_GROUP_SIZE`); ``"sqrt"``:
             ``G = max(2, round(sqrt(s)))`` groups.
+        widths: the width distribution (:mod:`poslsh.widths`): ``None`` or ``GammaWidths(2)``
+            is ALiBi (``E[M] = exp(-|i - j| / sigma)``, the same stream as ever for a seed),
+            ``GammaWidths(m)`` / ``FixedWidth(w)`` other kernels. Every method takes both
+            (stratifying needs the quantile function, which both have).
 
     Returns:
         :class:`Partitions` with ``widths``/``offsets`` of shape ``[H, s]`` (float64)
-        on ``sigma``'s device (``groups`` set unless ``method == "iid"``). Drawing
-        happens on the CPU, so the same seed gives the same partitions on every device.
+        on ``sigma``'s device (``groups`` set unless ``method == "iid"``; ``distribution`` the
+        width law). Drawing happens on the CPU, so the same seed gives the same partitions on
+        every device.
     """
-    sigma = _validate_sigma(sigma)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    sigma = check_sigma(sigma)
+    check_num_samples(num_samples)
     check_sampler(method, group_size)
-    if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed, not both")
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError("generator must be a CPU torch.Generator (sampling runs on the CPU for reproducibility)")
-    if seed is not None:
-        generator = torch.Generator().manual_seed(_validate_seed(seed))
+    dist = check_widths(widths, method)
+    generator = make_generator(generator, seed)
     sig = sigma.detach().to("cpu", torch.float64)
     dev = sigma.device
-    if method == "iid":
-        widths, offsets = draw_iid(sig, num_samples, generator)
-        return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev))
-    widths, offsets, groups = draw_grouped(sig, group_sizes(num_samples, method, group_size), generator)
-    return Partitions(widths.to(dev), offsets.to(dev), sig.to(dev), groups.to(dev))
-
-
-def check_sampler(method, group_size=None, *, name: str = "method") -> None:
-    """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
-    if method not in SAMPLERS:
-        raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
-    if group_size is not None and (method != "grouped" or (group_size != "sqrt" and (
-            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1))):
-        raise ValueError(f"group_size must be None, an int >= 1 or 'sqrt' with {name}='grouped', got {group_size!r} "
-                         f"({name}={method!r})")
+    w, c, groups = draw(sig, num_samples, generator, method, group_size, dist)
+    return Partitions(w.to(dev), c.to(dev), sig.to(dev), None if groups is None else groups.to(dev), dist)

@@ -2,31 +2,35 @@
 
 A token has integer coordinates ``x in Z^D`` (an image patch: ``(row, col)``). One sample
 of one head draws a random-binning hash per axis, independently: width
-``b_a ~ Gamma(2, sigma_a)`` (or another :mod:`poslsh.kernels` width distribution) and offset
+``b_a ~ Gamma(2, sigma_a)`` (or another :mod:`poslsh.widths` distribution) and offset
 ``c_a ~ U[0, b_a]``. Two tokens share a block iff they share a bin on *every* axis, so a
 block is an axis-aligned box and
 
     ``E[M_xy] = prod_a k(|x_a - y_a|; sigma_a) = exp(-||x - y||_1 / sigma)``  (Gamma(2), isotropic)
 
-exactly: the 2-D ALiBi ``L**`` of the paper. Per axis the geometry is the 1-D one of
-:mod:`poslsh.partitions` (``hash_positions``, ``bin_start``, ``block_labels``, ``block_bounds``):
-one definition of where bins start and end, whatever the dimension.
+exactly: the 2-D ALiBi ``L**`` of the paper. A :class:`PartitionsND` *is* ``D`` 1-D
+:class:`~poslsh.partitions.Partitions` of the same heads and samples, one per axis: their checks,
+``to``, ``select_heads``, equality, width distribution and geometry (``block_labels``,
+``block_bounds``) are the 1-D ones, axis by axis.
 
 Drawing runs on the CPU in float64 (a seed gives the same boxes on every device). With
 ``D = 1`` and the default widths, :func:`sample_partitions_nd` draws exactly the partitions of
-:func:`poslsh.sample_partitions` for the same seed.
+:func:`poslsh.sample_partitions` for the same seed; i.i.d. boxes draw every axis in one call
+(``[H, s, D]``), the correlated samplers stratify each axis on its own.
 """
 from __future__ import annotations
 
+import functools
 import numbers
-from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .kernels import GammaWidths, WidthDistribution
-from .partitions import Partitions, _validate_seed, block_bounds, block_labels
+from .partitions import Partitions
+from .sampling import check_num_samples, check_sampler, check_sigma, check_widths, draw, make_generator
+from .widths import WidthDistribution, kernel_matrix
 
 __all__ = ["PartitionsND", "sample_partitions_nd", "grid_coords", "check_coords", "check_grid", "expected_mask"]
 
@@ -74,15 +78,16 @@ def check_coords(coords, dims: Optional[int] = None) -> Tensor:
     return coords
 
 
-def _validate_sigma_nd(sigma, dims: Optional[int]) -> Tensor:
-    """Per-head sigma ``[H]`` (same on every axis) or per-axis ``[H, D]`` -> float64 ``[H, D]``."""
-    if isinstance(sigma, numbers.Real) and not isinstance(sigma, bool):
-        sigma = torch.tensor([float(sigma)], dtype=torch.float64)
-    elif isinstance(sigma, (list, tuple)):
+def check_sigma_nd(sigma, dims: Optional[int]) -> Tensor:
+    """Per-head sigma ``[H]`` (same on every axis) or per-axis ``[H, D]`` -> float64 ``[H, D]``
+    (values checked as :func:`~poslsh.sampling.check_sigma` checks them; ``D`` defaults to 2)."""
+    if isinstance(sigma, (list, tuple)):
         try:
             sigma = torch.as_tensor(sigma, dtype=torch.float64)
         except (TypeError, ValueError) as e:
             raise TypeError(f"sigma must be numbers, [H] or [H][D] nested lists, or a tensor: {e}") from None
+    elif isinstance(sigma, numbers.Real) and not isinstance(sigma, bool):
+        sigma = torch.tensor([float(sigma)], dtype=torch.float64)
     elif not isinstance(sigma, Tensor):
         raise TypeError(f"sigma must be a tensor [H] or [H, D], a number or a list, got {type(sigma).__name__}")
     sigma = sigma.detach().to(torch.float64)
@@ -98,78 +103,120 @@ def _validate_sigma_nd(sigma, dims: Optional[int]) -> Tensor:
                          f"of shape [H] or [H, {dims}]")
     if sigma.shape[0] < 1 or sigma.shape[1] < 1:
         raise ValueError(f"sigma needs at least one head and one axis, got shape {tuple(sigma.shape)}")
-    if not bool((torch.isfinite(sigma) & (sigma > 0)).all()):
-        raise ValueError(f"every sigma must be finite and > 0, got {sigma.tolist()}")
+    check_sigma(sigma.reshape(-1))
     return sigma
 
 
 # ----------------------------------------------------------------- partitions
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, init=False)
 class PartitionsND:
-    """``s`` random box partitions per head over ``D``-dimensional integer coordinates.
+    """``s`` random box partitions per head over ``D``-dimensional integer coordinates: one
+    :class:`~poslsh.partitions.Partitions` per axis (``PartitionsND(axes)``), all with the same
+    ``H`` heads, ``s`` samples and device, all sampled (``sigma`` set) or all fixed. Sample ``t``
+    of head ``h`` is the box ``prod_a bin_a`` of the axes' sample ``t``.
 
-    Attributes:
-        widths: ``[H, s, D]`` float64 bin widths per head, sample and axis (``> 0``).
-        offsets: ``[H, s, D]`` float64 bin offsets (``0 <= c <= b``).
-        sigma: ``[H, D]`` float64 bandwidths they were drawn for, or ``None`` (fixed boxes).
-        distribution: the width distribution (``E[M]`` is its kernel), ``None`` for fixed boxes.
+    Derived views: ``widths``, ``offsets`` ``[H, s, D]`` float64; ``sigma`` ``[H, D]`` (or
+    ``None``: fixed boxes); ``distribution`` the axes' width distribution. From ``[H, s, D]``
+    tensors: :meth:`from_tensors` (the former ``PartitionsND(widths, offsets, sigma, distribution)``).
     """
 
-    widths: Tensor
-    offsets: Tensor
-    sigma: Optional[Tensor] = None
-    distribution: Optional[WidthDistribution] = field(default=None)
+    axes: Tuple[Partitions, ...]
 
-    def __post_init__(self):
-        w, c = self.widths, self.offsets
-        if not (isinstance(w, Tensor) and isinstance(c, Tensor)):
+    def __init__(self, axes: Sequence[Partitions], *tensor_form):
+        if tensor_form or isinstance(axes, Tensor) or not isinstance(axes, (tuple, list)) or not axes or \
+                not all(isinstance(a, Partitions) for a in axes):
+            raise TypeError("PartitionsND(axes) takes a non-empty sequence of poslsh.Partitions (one per axis); "
+                            "from [H, s, D] tensors use PartitionsND.from_tensors(widths, offsets, sigma)")
+        first = axes[0]
+        for a, p in enumerate(axes):
+            if (p.num_heads, p.num_samples) != (first.num_heads, first.num_samples) or p.device != first.device:
+                raise ValueError(f"axis {a} has {p.num_heads} heads x {p.num_samples} samples on {p.device} but axis 0 "
+                                 f"has {first.num_heads} x {first.num_samples} on {first.device}: every axis needs "
+                                 "the same heads, samples and device")
+            if (p.sigma is None) != (first.sigma is None):
+                raise ValueError("mixing sampled and fixed axes: give every axis a sigma, or none")
+        object.__setattr__(self, "axes", tuple(axes))
+
+    @classmethod
+    def from_tensors(cls, widths: Tensor, offsets: Tensor, sigma=None,
+                     distribution: Optional[WidthDistribution] = None) -> "PartitionsND":
+        """From widths and offsets ``[H, s, D]`` and ``sigma`` ``[H]`` or ``[H, D]`` (or None: fixed boxes)."""
+        if not (isinstance(widths, Tensor) and isinstance(offsets, Tensor)):
             raise TypeError("widths and offsets must be tensors")
-        if w.dim() != 3 or w.shape != c.shape or min(w.shape) < 1:
+        if widths.dim() != 3 or widths.shape != offsets.shape or min(widths.shape) < 1:
             raise ValueError(f"widths and offsets must both be [H, s, D] with every size >= 1; got "
-                             f"{tuple(w.shape)} and {tuple(c.shape)}")
-        object.__setattr__(self, "widths", w.to(torch.float64))
-        object.__setattr__(self, "offsets", c.to(torch.float64))
-        if not bool((self.widths > 0).all()) or not bool(torch.isfinite(self.offsets).all()):
-            raise ValueError("partition widths must be > 0 and offsets finite")
-        if self.sigma is not None:
-            sig = _validate_sigma_nd(self.sigma, w.shape[2]).to(w.device)
-            if sig.shape[0] != w.shape[0]:
-                raise ValueError(f"sigma has {sig.shape[0]} heads but widths have {w.shape[0]}")
-            object.__setattr__(self, "sigma", sig)
+                             f"{tuple(widths.shape)} and {tuple(offsets.shape)}")
+        sig = None if sigma is None else check_sigma_nd(sigma, widths.shape[2]).to(widths.device)
+        return cls(tuple(Partitions(widths[..., a], offsets[..., a], None if sig is None else sig[:, a].contiguous(),
+                                    None, distribution) for a in range(widths.shape[2])))
 
     # ------------------------------------------------------------------ basics
+    @functools.cached_property
+    def widths(self) -> Tensor:
+        return torch.stack([a.widths for a in self.axes], -1)
+
+    @functools.cached_property
+    def offsets(self) -> Tensor:
+        return torch.stack([a.offsets for a in self.axes], -1)
+
+    @functools.cached_property
+    def sigma(self) -> Optional[Tensor]:
+        return None if self.axes[0].sigma is None else torch.stack([a.sigma for a in self.axes], -1)
+
+    @property
+    def distribution(self) -> Optional[WidthDistribution]:
+        """The width distribution of every axis (None: fixed boxes)."""
+        dists = {a.distribution for a in self.axes}
+        if len(dists) > 1:
+            raise ValueError(f"the axes have different width distributions ({', '.join(sorted(d.name for d in dists))}): "
+                             "read axes[a].distribution")
+        return self.axes[0].distribution
+
     @property
     def num_heads(self) -> int:
-        return self.widths.shape[0]
+        return self.axes[0].num_heads
 
     @property
     def num_samples(self) -> int:
-        return self.widths.shape[1]
+        return self.axes[0].num_samples
 
     @property
     def dims(self) -> int:
-        return self.widths.shape[2]
+        return len(self.axes)
 
     @property
     def device(self) -> torch.device:
-        return self.widths.device
+        return self.axes[0].device
 
     def to(self, device) -> "PartitionsND":
-        """The same partitions with their tensors on ``device`` (still float64)."""
-        if self.widths.device == torch.device(device):
+        """The same partitions with their tensors on ``device`` (any device, ``"meta"`` too)."""
+        if self.device == torch.device(device):
             return self
-        sigma = None if self.sigma is None else self.sigma.to(device)
-        return PartitionsND(self.widths.to(device), self.offsets.to(device), sigma, self.distribution)
+        return PartitionsND(tuple(a.to(device) for a in self.axes))
+
+    def select_heads(self, heads) -> "PartitionsND":
+        """The partitions of some heads (an index, slice or list) on every axis."""
+        return PartitionsND(tuple(a.select_heads(heads) for a in self.axes))
 
     def axis(self, a: int) -> Partitions:
         """The 1-D partitions of axis ``a`` (``[H, s]`` widths/offsets): its bins are the boxes' sides."""
         if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < self.dims:
             raise ValueError(f"axis must be an int in [0, {self.dims}), got {a!r}")
-        sigma = None if self.sigma is None else self.sigma[:, a].contiguous()
-        return Partitions(self.widths[:, :, a].contiguous(), self.offsets[:, :, a].contiguous(), sigma)
+        return self.axes[a]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, PartitionsND):
+            return NotImplemented
+        return self.axes == other.axes
+
+    def __hash__(self) -> int:
+        return hash(self.axes)
 
     def __repr__(self) -> str:
-        kind = "fixed" if self.sigma is None else f"sampled, {self.distribution.name}"
+        dists = {a.distribution for a in self.axes}
+        kind = "fixed" if self.sigma is None else "sampled, " + ", ".join(sorted(d.name for d in dists))
+        if any(a.groups is not None for a in self.axes):
+            kind += ", in groups per axis"
         return (f"PartitionsND({kind}, heads={self.num_heads}, samples={self.num_samples}, dims={self.dims}, "
                 f"device={self.device})")
 
@@ -177,22 +224,17 @@ class PartitionsND:
     def fixed_boxes(cls, num_heads: int, box: Sequence[int], *, device=None) -> "PartitionsND":
         """Deterministic boxes (the fixed-blocks baseline in ``D`` dimensions): one partition per
         head into boxes of ``box[a]`` positions along axis ``a``, starting at coordinate 0."""
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if not isinstance(box, (tuple, list)) or not box or any(
                 isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in box):
             raise ValueError(f"box must be a tuple of ints >= 1 (one side per axis), got {box!r}")
-        w = torch.tensor([float(b) for b in box], dtype=torch.float64, device=device)
-        widths = w.expand(num_heads, 1, len(box)).contiguous()
-        return cls(widths, torch.zeros_like(widths))
+        return cls(tuple(Partitions.fixed_blocks(num_heads, int(b), device=device) for b in box))
 
     # ---------------------------------------------------------------- geometry
     def labels(self, coords: Tensor) -> Tensor:
-        """Per-axis bin labels of every token, int64 ``[H, s, n, D]`` (the 1-D
-        :func:`~poslsh.partitions.block_labels` of each axis): equal on every axis <=> same box."""
-        x = check_coords(coords, self.dims).to(self.device, torch.float64)
-        return torch.stack([block_labels(self.widths[..., a], self.offsets[..., a], x[:, a])
-                            for a in range(self.dims)], -1).to(torch.int64)
+        """Per-axis bin labels of every token, int64 ``[H, s, n, D]`` (each axis's
+        :meth:`Partitions.labels <poslsh.partitions.Partitions.labels>`): equal on every axis <=> same box."""
+        x = check_coords(coords, self.dims)
+        return torch.stack([p.labels(x[:, a]) for a, p in enumerate(self.axes)], -1)
 
     def block_ids(self, coords: Tensor) -> Tensor:
         """Box id of every token, int64 ``[H, s, n]``: two tokens share a box in sample ``t`` iff
@@ -208,13 +250,12 @@ class PartitionsND:
     def box_bounds(self, coords: Tensor, extent: Optional[Sequence[int]] = None) -> Tuple[Tensor, Tensor]:
         """The box of every token: ``lo, hi`` (int64 ``[H, s, n, D]``), the box is
         ``prod_a [lo_a, hi_a)`` clipped to ``[0, extent_a)`` (default: the coordinates' maximum + 1),
-        from the 1-D :func:`~poslsh.partitions.block_bounds` of each axis."""
+        from each axis's :meth:`Partitions.block_bounds <poslsh.partitions.Partitions.block_bounds>`."""
         x = check_coords(coords, self.dims).to(self.device)
         ext = (x.amax(0) + 1).tolist() if extent is None else list(extent)
         if len(ext) != self.dims or any(int(e) <= int(m) for e, m in zip(ext, x.amax(0).tolist())):
             raise ValueError(f"extent must give {self.dims} sizes above every coordinate, got {extent!r}")
-        lo, hi = zip(*(block_bounds(self.widths[..., a], self.offsets[..., a], int(ext[a]), x[:, a])
-                       for a in range(self.dims)))
+        lo, hi = zip(*(p.block_bounds(int(ext[a]), x[:, a]) for a, p in enumerate(self.axes)))
         return torch.stack(lo, -1), torch.stack(hi, -1)
 
     def max_box_size(self, coords: Tensor) -> int:
@@ -237,39 +278,48 @@ class PartitionsND:
         return self.dense_count(coords).to(torch.float64) / self.num_samples
 
     def expected_mean(self, coords: Tensor) -> Tensor:
-        """``E[M]``, float64 ``[H, n, n]``: the product over axes of the width distribution's kernel
+        """``E[M]``, float64 ``[H, n, n]``: the product over axes of each axis's kernel
         (``exp(-||x - y||_1 / sigma)`` for Gamma(2)). Needs sampled partitions."""
-        if self.sigma is None or self.distribution is None:
+        if self.sigma is None:
             raise ValueError("fixed boxes are deterministic: E[M] = M, use dense_mean")
-        return expected_mask(coords, self.sigma, self.distribution)
+        x = check_coords(coords, self.dims).to(self.device)
+        out = None
+        for a, p in enumerate(self.axes):
+            k = kernel_matrix(p.distribution, (x[:, None, a] - x[None, :, a]).abs().to(torch.float64), p.sigma)
+            out = k if out is None else out * k
+        return out
 
 
-def expected_mask(coords: Tensor, sigma, distribution: Optional[WidthDistribution] = None) -> Tensor:
+def expected_mask(coords: Tensor, sigma, widths: Optional[WidthDistribution] = None) -> Tensor:
     """``L_xy = prod_a k(|x_a - y_a|; sigma_{h,a})`` for coordinates ``[n, D]`` and sigma ``[H]`` or
     ``[H, D]``: float64 ``[H, n, n]`` (dense). Gamma(2) widths (default) give 2-D ALiBi's ``L**``."""
     x = check_coords(coords)
-    dist = GammaWidths() if distribution is None else distribution
-    sig = _validate_sigma_nd(sigma, x.shape[1]).to(x.device)
+    dist = check_widths(widths)
+    sig = check_sigma_nd(sigma, x.shape[1]).to(x.device)
     out = None
     for a in range(x.shape[1]):
-        delta = (x[:, None, a] - x[None, :, a]).abs().to(torch.float64)            # [n, n]
-        k = torch.stack([dist.kernel(delta.cpu(), float(sg)) for sg in sig[:, a].tolist()]).to(x.device)
+        k = kernel_matrix(dist, (x[:, None, a] - x[None, :, a]).abs().to(torch.float64), sig[:, a])
         out = k if out is None else out * k
     return out
 
 
 def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
-                         distribution: Optional[WidthDistribution] = None,
-                         generator: Optional[torch.Generator] = None, seed: Optional[int] = None) -> PartitionsND:
-    """Draw ``num_samples`` random box partitions per head.
+                         widths: Optional[WidthDistribution] = None, method: str = "iid",
+                         group_size: Union[int, str, None] = None, generator: Optional[torch.Generator] = None,
+                         seed: Optional[int] = None) -> PartitionsND:
+    """Draw ``num_samples`` random box partitions per head: :func:`~poslsh.partitions.sample_partitions`
+    on every axis.
 
     Args:
         sigma: bandwidths ``[H]`` (one per head, all axes: 2-D ALiBi with slope ``1 / sigma``) or
             ``[H, D]`` (per head and axis); finite, ``> 0``. A number is one head.
         num_samples: ``s >= 1`` partitions per head.
         dims: number of axes ``D`` (default: ``sigma``'s second size, else 2: images).
-        distribution: bin-width distribution (default :class:`~poslsh.kernels.GammaWidths` ``(2)``:
-            ALiBi's Laplacian kernel); see :mod:`poslsh.kernels`.
+        widths: bin-width distribution of every axis (default :class:`~poslsh.widths.GammaWidths`
+            ``(2)``: ALiBi's Laplacian kernel); see :mod:`poslsh.widths`.
+        method, group_size: the sampler, as in ``sample_partitions``; ``"iid"`` draws all axes in one
+            call, ``"stratified"`` / ``"grouped"`` stratify each axis on its own (axis after axis from
+            the one generator; every box still has ``E[M] = prod_a k_a`` exactly).
         generator: a CPU ``torch.Generator`` (exclusive with ``seed``); seed: an int. Derive seeds
             with :func:`poslsh.seeding.stable_seed`. With neither, the global CPU RNG is used.
 
@@ -280,19 +330,17 @@ def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
     if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
         raise ValueError(f"dims must be an int >= 1 (number of coordinate axes), got {dims!r}")
     dev = sigma.device if isinstance(sigma, Tensor) else torch.device("cpu")
-    sig = _validate_sigma_nd(sigma, dims).cpu()
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed, not both")
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError("generator must be a CPU torch.Generator (sampling runs on the CPU for reproducibility)")
-    if seed is not None:
-        generator = torch.Generator().manual_seed(_validate_seed(seed))
-    dist = GammaWidths() if distribution is None else distribution
-    if not hasattr(dist, "draw") or not hasattr(dist, "kernel"):
-        raise TypeError(f"distribution must be a poslsh.kernels width distribution, got {type(dist).__name__}")
-    H, D = sig.shape
-    scale = sig[:, None, :].expand(H, num_samples, D)
-    widths, offsets = dist.draw(scale, generator)
-    return PartitionsND(widths.to(dev), offsets.to(dev), sig.to(dev), dist)
+    sig = check_sigma_nd(sigma, dims).cpu()
+    check_num_samples(num_samples)
+    check_sampler(method, group_size)
+    dist = check_widths(widths, method)
+    generator = make_generator(generator, seed)
+    if method == "iid":     # every (head, sample, axis) at once: the stream D = 1 shares with sample_partitions
+        w, c, _ = draw(sig, num_samples, generator, method, None, dist)
+        per_axis = [(w[..., a], c[..., a], None) for a in range(sig.shape[1])]
+    else:
+        per_axis = [draw(sig[:, a].contiguous(), num_samples, generator, method, group_size, dist)
+                    for a in range(sig.shape[1])]
+    return PartitionsND(tuple(Partitions(w.contiguous().to(dev), c.contiguous().to(dev), sig[:, a].contiguous().to(dev),
+                                         None if g is None else g.to(dev), dist)
+                              for a, (w, c, g) in enumerate(per_axis)))

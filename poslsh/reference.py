@@ -182,3 +182,121 @@ def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions: Part
         ka = torch.arange(k_start, k_start + shape.kv_len, device=q.device)
         allowed = _causal(qa, ka)[None, None]
     return dense_attention(q, k, v, torch.log(count), allowed=allowed, scale=scale, return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------- N dimensions
+# Oracles over token coordinates (paper section 5). Naming rule: the 1-D oracle's name with the
+# suffix ``_nd`` takes coordinates ``[n, D]`` of any ``D`` (or a ``grid``); ``_2d`` (the op,
+# :func:`poslsh.poslsh_attention_2d`) takes a 2-D grid only. *causal* over coordinates means raster
+# (token) order: token ``i`` sees tokens ``j <= i``.
+from .partitions_nd import PartitionsND, check_coords, check_grid, check_sigma_nd, expected_mask, grid_coords  # noqa: E402
+from .widths import WidthDistribution  # noqa: E402
+
+__all__ += ["coords_nd", "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd",
+            "poslsh_attention_reference_nd"]
+
+
+def coords_nd(n: int, coords: Optional[Tensor] = None, grid=None) -> Tensor:
+    """The token coordinates of a call with ``n`` tokens: ``coords [n, D]`` or a ``grid (height,
+    width)`` with ``height * width = n`` (exactly one of them), int64 ``[n, D]``."""
+    if (coords is None) == (grid is None):
+        raise ValueError("pass exactly one of coords ([n, D] integer coordinates) and grid ((height, width))")
+    if grid is not None:
+        h, w = check_grid(grid)
+        if h * w != n:
+            raise ValueError(f"grid {h}x{w} has {h * w} tokens but q has seqlen {n}")
+        return grid_coords(h, w)
+    c = check_coords(coords)
+    if c.shape[0] != n:
+        raise ValueError(f"coords give {c.shape[0]} tokens but q has seqlen {n}")
+    return c
+
+
+def _slopes_nd(slopes, dims: int) -> Tensor:
+    t = slopes if isinstance(slopes, Tensor) else torch.as_tensor(slopes, dtype=torch.float64)
+    t = t.detach().to(torch.float64)
+    t = t.reshape(1) if t.dim() == 0 else t
+    t = t[:, None].expand(-1, dims) if t.dim() == 1 else t
+    if t.dim() != 2 or t.shape[1] != dims:
+        raise ValueError(f"slopes must be [H] or [H, {dims}] (per head and axis), got shape {tuple(t.shape)}")
+    if not bool((torch.isfinite(t) & (t >= 0)).all()):
+        raise ValueError("ALiBi slopes must be finite and >= 0")
+    return t
+
+
+def alibi_bias_nd(coords: Tensor, slopes, *, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Additive N-D ALiBi bias ``-sum_a m_{h,a} |x_a - y_a|`` (``= -m_h ||x - y||_1`` for one
+    slope per head), ``[H, n, n]`` in ``dtype``. ``slopes``: ``[H]`` or per-axis ``[H, D]`` (``1 / sigma``).
+    Built head by head and axis by axis in ``dtype``, so memory is the output plus two ``[n, n]``
+    buffers (a 128 x 128 grid in float32: 4 GiB + 2 GiB)."""
+    x = check_coords(coords)
+    m = _slopes_nd(slopes, x.shape[1])
+    xf = x.to(torch.float64 if dtype == torch.float64 else torch.float32)   # small integers: exact
+    out = torch.zeros(m.shape[0], x.shape[0], x.shape[0], dtype=dtype, device=x.device)
+    for a in range(x.shape[1]):
+        dist = (xf[:, None, a] - xf[None, :, a]).abs_()
+        for h in range(m.shape[0]):
+            out[h].sub_(dist * float(m[h, a]))
+    return out
+
+
+def alibi_matrix_nd(coords: Tensor, sigma) -> Tensor:
+    """``L**_xy = exp(-sum_a |x_a - y_a| / sigma_{h,a})``, float64 ``[H, n, n]`` (2-D ALiBi's kernel)."""
+    x = check_coords(coords)
+    return torch.exp(alibi_bias_nd(x, 1.0 / check_sigma_nd(sigma, x.shape[1])))
+
+
+def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes, *, coords: Optional[Tensor] = None, grid=None,
+                       causal: bool = False, scale: Optional[float] = None, return_lse: bool = False):
+    """Exact N-D ALiBi attention ``softmax(q k^T * scale - m_h ||x_i - x_j||_1) v`` (the weights
+    multiplied by ``L**``), densely.
+
+    Args:
+        q: ``[B, Hq, n, d]``; k, v: ``[B, Hkv, n, d]`` / ``[B, Hkv, n, dv]`` (``Hq`` a multiple of ``Hkv``).
+        slopes: ``[Hq]`` or ``[Hq, D]`` slopes ``m = 1 / sigma``.
+        coords: ``[n, D]`` integer token coordinates, or grid: ``(height, width)`` in raster order.
+        causal: token ``i`` attends to ``j <= i`` only (raster order).
+        return_lse: also return the log-sum-exp ``[B, Hq, n]`` of the biased logits.
+    Returns:
+        ``[B, Hq, n, dv]`` (computed in float32, or float64 for float64 input), and the lse.
+    """
+    shape = check_qkv(q, k, v)
+    bias = alibi_bias_nd(coords_nd(shape.seqlen, coords, grid), slopes).to(q.device)
+    if bias.shape[0] != shape.q_heads:
+        raise ValueError(f"got {bias.shape[0]} slopes for {shape.q_heads} query heads")
+    return dense_attention(q, k, v, bias, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def kernel_attention_nd(q: Tensor, k: Tensor, v: Tensor, sigma, widths: Optional[WidthDistribution] = None, *,
+                        coords: Optional[Tensor] = None, grid=None, causal: bool = False,
+                        scale: Optional[float] = None, return_lse: bool = False):
+    """Attention with the weights multiplied by the exact expected mask ``L = E[M]`` of a width
+    distribution (:func:`~poslsh.partitions_nd.expected_mask`): the target that positional LSH
+    with those widths estimates. ``sigma``: ``[Hq]`` or ``[Hq, D]``. Shapes as in
+    :func:`alibi_attention_nd`; where ``L = 0`` (compact kernels) the key is masked."""
+    shape = check_qkv(q, k, v)
+    L = expected_mask(coords_nd(shape.seqlen, coords, grid), sigma, widths).to(q.device)
+    if L.shape[0] != shape.q_heads:
+        raise ValueError(f"got {L.shape[0]} bandwidths for {shape.q_heads} query heads")
+    return dense_attention(q, k, v, torch.log(L), allowed=L > 0, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def poslsh_attention_reference_nd(q: Tensor, k: Tensor, v: Tensor, partitions: PartitionsND, *,
+                                  coords: Optional[Tensor] = None, grid=None, causal: bool = False,
+                                  scale: Optional[float] = None, return_lse: bool = False):
+    """The positional-LSH estimator with the mean box mask ``M~``, densely (the float64 oracle of
+    :func:`poslsh.poslsh_attention_2d`).
+
+    ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``: one
+    softmax with the bias ``log count_ij`` (``count_ij`` = samples in which ``i`` and ``j`` share a
+    box on every axis; ``-inf`` where 0); ``return_lse`` adds ``log sum_j count_ij e^{s_ij}``.
+    Shapes as in :func:`alibi_attention_nd`; ``partitions`` has ``Hq`` heads and ``D`` = the
+    coordinates' axes.
+    """
+    if not isinstance(partitions, PartitionsND):
+        raise TypeError(f"partitions must be a poslsh.PartitionsND, got {type(partitions).__name__}")
+    shape = check_qkv(q, k, v)
+    check_heads(partitions, shape.q_heads)
+    x = coords_nd(shape.seqlen, coords, grid)
+    count = partitions.to(q.device).dense_count(x.to(q.device)).to(torch.float64)
+    return dense_attention(q, k, v, torch.log(count), causal=causal, scale=scale, return_lse=return_lse)

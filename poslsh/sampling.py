@@ -1,25 +1,31 @@
-"""The samplers behind :func:`poslsh.partitions.sample_partitions` (pure tensor draws).
+"""The samplers behind :func:`poslsh.partitions.sample_partitions` (pure tensor draws) and
+the checks of their arguments.
 
-Every scheme draws masks whose *marginal* law is the paper's: width
-``b ~ Gamma(2, sigma)``, offset ``c | b ~ U[0, b)``, so every slot's mask has
-``E[M_t] = L*`` and ``E[M~] = L*`` holds exactly. They differ in how the ``s``
-masks of a head depend on each other:
+Every scheme draws masks whose *marginal* law is the width distribution's (default
+:class:`~poslsh.widths.GammaWidths` ``(2)``: ``b ~ Gamma(2, sigma)``, ALiBi) with the offset
+``c | b ~ U[0, b)``, so every slot's mask has ``E[M_t] = k`` (the distribution's kernel,
+``L*`` for Gamma(2)) and ``E[M~] = k`` holds exactly. They differ in how the ``s`` masks of a
+head depend on each other:
 
-* ``"iid"``: independent masks (the paper).
-* ``"stratified"``: independent masks, widths from ``s`` Gamma(2, sigma) quantile
-  strata of probability ``1/s`` (one width per stratum), offsets ``U[0, b)``; the
-  slots are then randomly permuted. Hoeffding's argument (eq. 3) holds verbatim.
+* ``"iid"``: independent masks (the paper); any width distribution.
+* ``"stratified"``: independent masks, widths from ``s`` quantile strata of probability
+  ``1/s`` (one width per stratum), offsets ``U[0, b)``; the slots are then randomly
+  permuted. Hoeffding's argument (eq. 3) holds verbatim.
 * ``"grouped"``: ``G`` independent groups of nearly equal sizes ``k_g``. Group ``g``
   draws one width from the ``g``-th quantile stratum of probability ``k_g / s``
-  (inverse CDF: ``sigma * gammaincinv(2, u)``), one phase ``V_g ~ U[0, 1)``, and its
-  ``k_g`` masks share that width with the evenly spaced offsets
+  (inverse CDF: ``sigma * gammaincinv(m, u)`` for Gamma(m)), one phase ``V_g ~ U[0, 1)``, and
+  its ``k_g`` masks share that width with the evenly spaced offsets
   ``c = b frac(V_g + m / k_g)``, ``m = 0..k_g-1``: ``k_g`` shifted copies of one grid,
   whose boundaries together form the lattice ``V_g b + Z b / k_g``. The ``s`` slots
   are randomly permuted.
 
+The correlated schemes need the distribution's quantile function (``quantile(u, sigma)``):
+:class:`~poslsh.widths.GammaWidths` (any shape) and :class:`~poslsh.widths.FixedWidth` have
+one; a distribution without it is refused with ``method="iid"`` named as the way out.
+
 Why every slot is exact: a random slot lies in group ``g`` with probability
 ``k_g / s``, the probability of stratum ``g``; given ``g``, ``u`` is uniform on the
-stratum, so ``u ~ U[0, 1)`` and ``b = F^-1(u) ~ Gamma(2, sigma)``; and
+stratum, so ``u ~ U[0, 1)`` and ``b = F^-1(u)`` has the width distribution; and
 ``frac(V_g + m / k_g) ~ U[0, 1)`` independently of ``u``, so ``c | b ~ U[0, b)``.
 The random permutation makes this hold for every slot index, not only on average.
 
@@ -27,29 +33,33 @@ Group sizes: ``group_size=k`` gives ``G = max(2, ceil(s / k))`` groups (at least
 a single group of shifted grids is worse than i.i.d. on the spectral norm);
 ``group_size=None`` means ``k = DEFAULT_GROUP_SIZE = 4`` (the prototype study's
 compromise, confirmed by ``poslsh convergence``: ``docs/sampling.md``);
-``group_size="sqrt"`` gives ``G = max(2, round(sqrt(s)))`` (the issue's rule; better on
-the max norm at large ``s``, worse on the spectral norm and the output error); ``s = 1``
+``group_size="sqrt"`` gives ``G = max(2, round(sqrt(s)))`` (better on the max norm at
+large ``s``, worse on the spectral norm and the output error); ``s = 1``
 is one group of one mask (the i.i.d. law). Sizes differ by at most one.
 
-This module draws the numbers (and checks a given group structure); :mod:`poslsh.partitions`
-validates the arguments, wraps the result in a :class:`~poslsh.partitions.Partitions` and
-owns the geometry.
+This module draws the numbers, checks the samplers' arguments and a given group structure, and
+counts a group's shared blocks by lattice arithmetic (:func:`group_count`);
+:mod:`poslsh.partitions` wraps the draws in a :class:`~poslsh.partitions.Partitions` and owns
+the geometry.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["SAMPLERS", "DEFAULT_GROUP_SIZE", "parse_sampler", "check_groups", "group_sizes", "draw_iid", "draw_grouped", "gamma2_quantile",
-           "lattice_points"]
+from .widths import MAX_WIDTH, GammaWidths, WidthDistribution, gamma2_quantile
+
+__all__ = ["SAMPLERS", "DEFAULT_GROUP_SIZE", "parse_sampler", "check_groups", "group_sizes", "draw", "draw_iid",
+           "draw_grouped", "gamma2_quantile", "lattice_points", "group_count", "check_sigma", "check_num_samples",
+           "check_sampler", "check_widths", "make_generator", "MAX_WIDTH"]
 
 SAMPLERS = ("iid", "stratified", "grouped")
 DEFAULT_GROUP_SIZE = 4
 TINY = torch.finfo(torch.float64).tiny
-MAX_WIDTH = 1e300   # widths are clamped here (a single block for any sequence)
 
 
 def parse_sampler(spec: str) -> Tuple[str, Union[int, str, None]]:
@@ -80,59 +90,48 @@ def group_sizes(num_samples: int, method: str, group_size: Union[int, str, None]
     return [s // G + (g < s % G) for g in range(G)]
 
 
-def _x_minus_log1p(x: Tensor) -> Tensor:
-    """``x - log(1 + x)`` for ``x >= 0`` without cancellation near 0 (series below 1e-2)."""
-    series = x * x * (0.5 - x * (1 / 3 - x * (0.25 - x * (0.2 - x * (1 / 6 - x / 7)))))
-    return torch.where(x < 1e-2, series, x - torch.log1p(x))
+def draw(sig: Tensor, num_samples: int, generator: Optional[torch.Generator], method: str = "iid",
+         group_size: Union[int, str, None] = None,
+         widths: Optional[WidthDistribution] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(widths, offsets, groups or None)`` of ``method`` for CPU float64 ``sig [H]``
+    (``[H, s]`` each); ``"iid"`` also takes ``sig [H, D]`` (one draw per axis: ``[H, s, D]``)."""
+    if method == "iid":
+        return (*draw_iid(sig, num_samples, generator, widths), None)
+    return draw_grouped(sig, group_sizes(num_samples, method, group_size), generator, widths)
 
 
-def gamma2_quantile(u: Tensor) -> Tensor:
-    """The inverse CDF of Gamma(2, 1), float64 (equals ``scipy.special.gammaincinv(2, u)``
-    to about 1e-15 relative: tested). ``F(x) = 1 - e^-x (1 + x)``, so ``F(x) = u`` is
-    ``x - log(1 + x) = -log(1 - u)``: an increasing convex equation, solved by Newton's method
-    from ``sqrt(2 L)`` (left of the root), which then converges monotonically."""
-    u = u.to(torch.float64)
-    target = -torch.log1p(-u.clamp(0.0, 1.0))                  # L in [0, inf]
-    x = torch.where(target < 1.0, torch.sqrt(2.0 * target), target + torch.log1p(target))
-    for _ in range(60):
-        step = (_x_minus_log1p(x) - target) * (1.0 + x) / x.clamp_min(torch.finfo(torch.float64).tiny)
-        x = torch.where((target > 0) & torch.isfinite(target), (x - step).clamp_min(0.0), x)
-    return torch.where(target > 0, x, torch.zeros_like(x))
+def draw_iid(sig: Tensor, s: int, generator: Optional[torch.Generator],
+             widths: Optional[WidthDistribution] = None) -> Tuple[Tensor, Tensor]:
+    """``s`` independent (width, offset) pairs per head for CPU float64 ``sig [H]`` (or
+    ``[H, D]``: per head and axis), ``[H, s]`` (``[H, s, D]``) each. Gamma(2) (the default)
+    draws ``3 * H * s (* D)`` uniforms: ``sigma (E1 + E2)`` with ``E = -log(1 - U)``."""
+    dist = GammaWidths() if widths is None else widths
+    return dist.draw(sig.unsqueeze(1).expand(sig.shape[0], s, *sig.shape[1:]), generator)
 
 
-def draw_iid(sig: Tensor, s: int, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
-    """``s`` independent (width, offset) pairs per head for CPU float64 ``sig [H]``."""
-    H = sig.numel()
-    # Gamma(2, sigma) = sigma * (E1 + E2) with E ~ Exp(1); 1 - U avoids log(0).
-    u = torch.rand(3, H, s, dtype=torch.float64, generator=generator)
-    widths = -sig[:, None] * (torch.log1p(-u[0]) + torch.log1p(-u[1]))
-    # Clamp to finite widths: sigma near float64's max would overflow to inf (and a NaN
-    # offset); any width beyond 1e300 is one block for every representable sequence.
-    widths = widths.clamp(min=TINY, max=MAX_WIDTH)
-    return widths, u[2] * widths
-
-
-def draw_grouped(sig: Tensor, sizes: List[int], generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor, Tensor]:
+def draw_grouped(sig: Tensor, sizes: List[int], generator: Optional[torch.Generator],
+                 widths: Optional[WidthDistribution] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Groups of shifted grids with stratified widths (see the module docstring):
     ``(widths, offsets, groups)``, ``[H, s]`` each (groups: int64 group id per slot,
     groups numbered by stratum, smallest widths first). ``sizes = [1] * s`` is the
-    stratified scheme."""
+    stratified scheme. ``widths`` needs a ``quantile`` (default Gamma(2))."""
+    dist = GammaWidths() if widths is None else widths
     H, G, s = sig.numel(), len(sizes), sum(sizes)
     k = torch.tensor(sizes, dtype=torch.float64)
     edges = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(k, 0)]) / s     # stratum g = [e_g, e_g+1)
     r = torch.rand(2, H, G, dtype=torch.float64, generator=generator)
     u = (edges[:-1] + r[0] * (k / s)).clamp(max=1.0)
-    widths_g = sig[:, None] * gamma2_quantile(u)
+    widths_g = dist.quantile(u, sig[:, None])
     widths_g = widths_g.clamp(min=TINY, max=MAX_WIDTH)
     group = torch.repeat_interleave(torch.arange(G), torch.tensor(sizes))                 # [s] slot -> group
     rank = torch.arange(s) - torch.repeat_interleave(torch.cumsum(torch.tensor(sizes), 0) - torch.tensor(sizes),
                                                      torch.tensor(sizes))                   # m within its group
     phase = torch.remainder(r[1][:, group] + (rank.to(torch.float64) / k[group]), 1.0)      # frac(V_g + m / k_g)
-    widths = widths_g[:, group]
-    offsets = phase * widths
+    w = widths_g[:, group]
+    offsets = phase * w
     perm = torch.argsort(torch.rand(H, s, dtype=torch.float64, generator=generator), dim=1)
     groups = group.expand(H, s)
-    return widths.gather(1, perm), offsets.gather(1, perm), groups.gather(1, perm).contiguous()
+    return w.gather(1, perm), offsets.gather(1, perm), groups.gather(1, perm).contiguous()
 
 
 def lattice_points(lo: Tensor, hi: Tensor, origin: Tensor, spacing: Tensor) -> Tensor:
@@ -166,3 +165,96 @@ def check_groups(widths: Tensor, offsets: Tensor, groups) -> Tensor:
         raise ValueError("the offsets of a group of k masks must be one lattice c + Z b / k "
                          "(c = b frac(V + m / k)): these groups are not shifted grids")
     return g
+
+
+def group_count(i, j, width, origin, size) -> Tensor:
+    """In how many of a group's ``k = size`` masks positions ``i`` and ``j`` share a block.
+
+    The group's masks share the width ``b`` and their bin boundaries together are the
+    lattice ``origin + Z b / k`` (each point a boundary of exactly one mask, each mask's
+    boundaries ``b`` apart). For ``i < j`` a mask separates them iff one of its
+    boundaries lies in ``(i, j]``, and when ``j - i < b`` it has at most one there, so
+    the count is ``k - #{lattice points in (i, j]}``, and ``0`` when that is negative
+    (``j - i >= b``). ``O(1)`` per pair instead of ``k`` comparisons; equal to counting
+    mask by mask with :func:`~poslsh.partitions.block_labels` (tested). Bins of width ``<= 1``
+    hold one position each (the geometry's convention). Elementwise with broadcasting; returns
+    int64 (``k`` where ``i == j``).
+    """
+    f64 = lambda x: torch.as_tensor(x, dtype=torch.float64)     # noqa: E731
+    i, j, b, c, k = f64(i), f64(j), f64(width), f64(origin), f64(size)
+    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+    safe_b = torch.where(b > 1.0, b, torch.ones_like(b))         # narrow bins: answered below, never divided
+    pts = lattice_points(lo, hi, c, safe_b / k)
+    count = (k.to(torch.int64) - pts).clamp(min=0)
+    apart = (hi - lo >= b) | ((b <= 1.0) & (hi > lo))
+    return torch.where(apart, torch.zeros_like(count), count)
+
+
+# ------------------------------------------------------------------ arguments
+def check_sigma(sigma) -> Tensor:
+    """Per-head bandwidths ``[H]`` (a tensor, a number or a list of numbers), finite and > 0."""
+    if isinstance(sigma, Tensor):
+        pass
+    elif isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) or (
+            isinstance(sigma, (list, tuple)) and all(isinstance(x, numbers.Real) and not isinstance(x, bool)
+                                                     for x in sigma)):
+        sigma = torch.as_tensor(sigma, dtype=torch.float64)
+    else:
+        raise TypeError(f"sigma must be a tensor, a number or a list of numbers (per-head bandwidths), "
+                        f"got {type(sigma).__name__}")
+    if sigma.dim() == 0:
+        sigma = sigma.reshape(1)
+    if sigma.dim() != 1 or sigma.numel() < 1:
+        raise ValueError(f"sigma must be a 1-D tensor of per-head bandwidths, got shape {tuple(sigma.shape)}")
+    if not sigma.dtype.is_floating_point:
+        sigma = sigma.to(torch.float64)
+    bad = ~torch.isfinite(sigma) | (sigma <= 0)
+    if bool(bad.any()):
+        raise ValueError(f"every sigma must be finite and > 0; got {sigma.tolist()}")
+    return sigma
+
+
+def check_num_samples(num_samples) -> int:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    return num_samples
+
+
+def make_generator(generator: Optional[torch.Generator], seed) -> Optional[torch.Generator]:
+    """The CPU generator to draw from: ``generator``, a fresh one seeded with ``seed`` (an int
+    ``torch.manual_seed`` accepts exactly: no silent flooring or overflow), or ``None`` (the
+    global CPU RNG)."""
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed, not both")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError("generator must be a CPU torch.Generator (sampling runs on the CPU for reproducibility)")
+    if seed is None:
+        return generator
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not -(2 ** 63) <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    return torch.Generator().manual_seed(int(seed))
+
+
+def check_sampler(method, group_size=None, *, name: str = "method") -> None:
+    """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
+    if method not in SAMPLERS:
+        raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
+    if group_size is not None and (method != "grouped" or (group_size != "sqrt" and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1))):
+        raise ValueError(f"group_size must be None, an int >= 1 or 'sqrt' with {name}='grouped', got {group_size!r} "
+                         f"({name}={method!r})")
+
+
+def check_widths(widths, method: str = "iid") -> WidthDistribution:
+    """The width distribution of a draw (``None``: Gamma(2), ALiBi), checked to serve ``method``."""
+    if widths is None:
+        return GammaWidths()
+    if not all(callable(getattr(widths, a, None)) for a in ("draw", "kernel")) or not hasattr(widths, "name"):
+        raise TypeError(f"widths must be a width distribution of poslsh.widths (GammaWidths(m), FixedWidth(w)), "
+                        f"got {type(widths).__name__}")
+    if method != "iid" and not callable(getattr(widths, "quantile", None)):
+        raise ValueError(f"method={method!r} stratifies widths through their quantile function, which "
+                         f"widths={widths.name} does not have: use method='iid'")
+    return widths

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .partitions import Partitions
+from .widths import GammaWidths
 
 __all__ = [
     "psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_tail_probability",
@@ -182,6 +183,9 @@ def max_norm_error(partitions: Partitions, n: int, *, row_chunk: int = 1024) -> 
     per head (row-chunked difference arrays), ``O(row_chunk * n)`` memory."""
     if partitions.sigma is None:
         raise ValueError("partitions have no sigma (fixed blocks): L* is undefined")
+    if partitions.distribution != GammaWidths():
+        raise ValueError(f"L* is ALiBi's kernel (Gamma(2) widths) but these widths are {partitions.distribution.name}: "
+                         "compare dense_mean(n) with expected_mean(n)")
     p = partitions.to("cpu")
     blk = p.blocks(n)
     s = p.num_samples
@@ -247,6 +251,9 @@ def spectral_norm_error(partitions: Partitions, n: int, *, tol: float = 1e-6,
 
     if partitions.sigma is None:
         raise ValueError("partitions have no sigma (fixed blocks): L* is undefined")
+    if partitions.distribution != GammaWidths():
+        raise ValueError(f"L* is ALiBi's kernel (Gamma(2) widths) but these widths are {partitions.distribution.name}: "
+                         "compare dense_mean(n) with expected_mean(n)")
     p = partitions.to("cpu")
     blk = p.blocks(n)
     out = torch.zeros(p.num_heads, dtype=torch.float64)
@@ -346,7 +353,7 @@ def dense_mask_errors(L: Tensor, M: Tensor) -> MaskErrors:
     """``||L - M~||`` (spectral) and ``||L - M~||_max`` per head from dense matrices.
 
     Args:
-        L: ``[H, n, n]`` the expected mask (e.g. :func:`poslsh.reference_nd.alibi_nd_matrix`).
+        L: ``[H, n, n]`` the expected mask (e.g. :func:`poslsh.reference.alibi_matrix_nd`).
         M: ``[H, n, n]`` the empirical mean mask (:meth:`poslsh.PartitionsND.dense_mean`).
     Returns:
         :class:`MaskErrors` of float64 ``[H]`` tensors. Both matrices are symmetric, so the

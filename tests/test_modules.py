@@ -69,7 +69,7 @@ def test_module_without_projections_grids_and_documents():
                           poslsh.poslsh_attention_reference(q, k, v, parts, cu_seqlens=cu), atol=1e-12)
     assert torch.allclose(m(q, k, v), poslsh.poslsh_attention_reference(q, k, v, parts), atol=1e-12)
     grid = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, dims=2, causal=False).eval()
-    want = poslsh.poslsh_attention_nd_reference(q, k, v, grid.partitions(), grid=(3, 4))
+    want = poslsh.poslsh_attention_reference_nd(q, k, v, grid.partitions(), grid=(3, 4))
     assert torch.allclose(grid(q, k, v, grid=(3, 4)), want, atol=1e-12)
     with pytest.raises(ValueError, match="grid=\\(height, width\\)"):
         grid(q, k, v)

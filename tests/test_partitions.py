@@ -128,3 +128,19 @@ def test_bad_constructor_arguments():
         poslsh.Partitions(torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="sequence length"):
         alibi_partitions(2, 2).blocks(0)
+
+
+@pytest.mark.parametrize("method", ["iid", "grouped"])
+def test_to_any_device_including_meta(method):
+    """``to`` moves checked values without checking them again: the meta device (no values) works,
+    for sampled, grouped and fixed partitions; constructing on meta checks shapes only."""
+    P = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0, method=method, widths=poslsh.GammaWidths(3.0))
+    m = P.to("meta")
+    assert m.device.type == "meta" and m.widths.shape == (4, 8) and m.offsets.device.type == "meta"
+    assert m.sigma.device.type == "meta" and m.distribution == P.distribution and (m.groups is None) == (method == "iid")
+    assert m.to("meta") is m and "meta" in repr(m)
+    assert poslsh.Partitions.fixed_blocks(2, 16).to(torch.device("meta")).num_samples == 1
+    meta = torch.empty(2, 3, device="meta", dtype=torch.float64)
+    assert poslsh.Partitions(meta, meta, torch.ones(2, device="meta")).num_heads == 2
+    with pytest.raises(ValueError, match=r"\[H, s\]"):
+        poslsh.Partitions(meta, meta[:, :2])

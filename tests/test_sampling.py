@@ -194,3 +194,111 @@ def test_gamma2_quantile_equals_scipy():
     print("max relative difference", float(rel))
     assert float(rel) < 1e-13 and float(got[0]) == 0.0
     assert torch.isinf(gamma2_quantile(torch.tensor([1.0], dtype=torch.float64))).all()
+
+
+# ------------------------------------------------------------ width distributions
+WIDTHS = [poslsh.GammaWidths(1.0), poslsh.GammaWidths(3.5), poslsh.FixedWidth(2.5)]
+
+
+def test_default_widths_are_gamma2_bit_for_bit():
+    sig = poslsh.alibi_sigmas(4)
+    for method, k in [("iid", None)] + METHODS:
+        a = sample_partitions(sig, 9, seed=2, method=method, group_size=k)
+        b = sample_partitions(sig, 9, seed=2, method=method, group_size=k, widths=poslsh.GammaWidths(2.0))
+        assert a == b and a.distribution == poslsh.GammaWidths()
+    # built from tensors with a sigma: the widths are Gamma(2) unless told otherwise
+    assert Partitions(a.widths, a.offsets, a.sigma).distribution == poslsh.GammaWidths()
+    assert Partitions.fixed_blocks(2, 4).distribution is None
+
+
+@pytest.mark.parametrize("method", ["iid", "stratified", "grouped"])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: w.name)
+def test_widths_give_their_kernel_exactly(widths, method):
+    """E[M~] = k(|i - j|) for every sampler and width law: the mean over R independent draws of M~
+    is within 5 standard errors of expected_mean (the kernel) where 0.02 < k < 0.98 (rarer events make
+    the empirical standard error unreliable), within
+    5 sqrt(k (1 - k) / R) everywhere (Var M~ <= k (1 - k) for any [0, 1] variable of mean k), and
+    exactly equal where k is 0 or 1 (outside the triangle kernel's support, on the diagonal)."""
+    R, n, s, sigma = 2000, 30, 8, 3.0
+    P = sample_partitions(torch.full((R,), sigma), s, seed=7, method=method, widths=widths)
+    assert P.distribution == widths and (P.groups is None) == (method == "iid")
+    L = P.select_heads([0]).expected_mean(n)[0]              # every head has the same sigma
+    M = P.dense_mean(n)
+    mean, se = M.mean(0), M.std(0) / math.sqrt(R)
+    use = (L > 0.02) & (L < 0.98)
+    z = ((mean - L).abs() / se)[use]
+    print(f"{widths.name} {method}: max |z| {z.max().item():.2f} over {int(use.sum())} entries")
+    assert z.max().item() < 5.0
+    assert bool(((mean - L).abs() <= 5 * (L * (1 - L) / R).sqrt()).all())
+    edge = (L == 0) | (L == 1)
+    assert torch.equal(mean[edge], L[edge]) and int(edge.sum()) >= n
+    # the kernel matrix is the one of expected_mask (N-D, one axis), and ALiBi's for Gamma(2)
+    few = P.select_heads([0, 1])
+    assert torch.equal(few.expected_mean(n), poslsh.expected_mask(torch.arange(n)[:, None], few.sigma, widths))
+
+
+def test_gamma2_expected_mean_is_alibi():
+    P = sample_partitions(poslsh.alibi_sigmas(4), 3, seed=0)
+    assert (P.expected_mean(64) - poslsh.alibi_matrix(64, P.sigma)).abs().max().item() < 1e-15
+    with pytest.raises(ValueError, match="E\\[M\\] = M"):
+        Partitions.fixed_blocks(2, 4).expected_mean(10)
+
+
+@pytest.mark.parametrize("method", ["stratified", "grouped"])
+def test_stratified_gamma_widths_are_marginally_exact(method):
+    R, s, m = 3000, 6, 3.5
+    P = sample_partitions(torch.full((R,), 2.0), s, seed=13, method=method, widths=poslsh.GammaWidths(m))
+    p = min(stats.kstest(P.widths[:, t].numpy() / 2.0, stats.gamma(m).cdf).pvalue for t in range(s))
+    print(method, "smallest KS p over slots", p)
+    assert p > 1e-3
+
+
+def test_fixed_widths_in_groups_are_shifted_grids():
+    P = sample_partitions(torch.tensor([2.0, 5.0]), 8, seed=0, method="grouped", widths=poslsh.FixedWidth(3.0))
+    assert torch.equal(P.widths, torch.tensor([[6.0] * 8, [15.0] * 8], dtype=torch.float64))
+    width, origin, size = P.group_lattices()
+    assert (size == 4).all() and torch.equal(width, P.widths[:, :2])
+
+
+@pytest.mark.parametrize("m", [0.3, 0.5, 1.0, 1.5, 3.0, 7.5, 40.0])
+def test_gamma_quantile_equals_scipy(m):
+    special = pytest.importorskip("scipy.special")
+    from poslsh.widths import gamma_quantile
+    u = torch.cat([torch.tensor([1e-30, 1e-12, 1e-6, 0.5, 1 - 1e-6, 1 - 1e-12], dtype=torch.float64),
+                   torch.rand(2000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))])
+    got = gamma_quantile(m, u)
+    want = torch.from_numpy(special.gammaincinv(m, u.numpy()))
+    rel = float(((got - want).abs() / want).max())
+    print(f"Gamma({m}) quantile: max relative difference {rel:.1e}")
+    # torch.special.gammainc (the CDF it inverts) is ~1e-14 accurate for small shapes, ~1e-9 for large
+    assert rel < (1e-12 if m < 10 else 1e-8)
+    edge = gamma_quantile(m, torch.tensor([0.0, 1.0], dtype=torch.float64))
+    assert edge[0] == 0.0 and torch.isinf(edge[1])
+
+
+def test_widths_without_a_quantile_are_iid_only():
+    class Uniform:                       # a user's distribution: draws and a kernel, no quantile
+        name = "uniform(1, 3)"
+
+        def draw(self, sigma, generator):
+            u = torch.rand(2, *sigma.shape, dtype=torch.float64, generator=generator)
+            w = sigma * (1 + 2 * u[0])
+            return w, u[1] * w
+
+        def kernel(self, delta, sigma):
+            raise NotImplementedError
+
+    P = sample_partitions(torch.tensor([1.0, 2.0]), 5, seed=0, widths=Uniform())
+    assert P.widths.shape == (2, 5) and bool((P.widths >= 1).all())
+    with pytest.raises(ValueError, match=r"method='grouped' stratifies widths through their quantile function, "
+                                         r"which widths=uniform\(1, 3\) does not have: use method='iid'") as e:
+        sample_partitions(torch.tensor([1.0]), 5, method="grouped", widths=Uniform())
+    assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="widths must be a width distribution"):
+        sample_partitions(torch.tensor([1.0]), 5, widths="gamma")
+
+
+def test_alibi_theory_refuses_other_widths():
+    P = sample_partitions(torch.tensor([4.0]), 4, seed=0, widths=poslsh.FixedWidth(2.0))
+    with pytest.raises(ValueError, match=r"L\* is ALiBi's kernel \(Gamma\(2\) widths\) but these widths are fixed\(2\)"):
+        theory.max_norm_error(P, 16)

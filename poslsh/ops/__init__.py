@@ -1,7 +1,7 @@
 """Backends of the library's ops, registered in :mod:`.registry`:
-``"torch"`` (:mod:`.torch_impl`, portable near-linear), ``"triton"`` (:mod:`.triton`,
-fused GPU kernels, when triton is installed) and ``"reference"`` (the dense float64-safe
-oracles of :mod:`poslsh.reference`)."""
+``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"grid"``
+op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed) and
+``"reference"`` (the dense float64-safe oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
 from .registry import Backend, Call, register_backend, registered, resolve
@@ -31,6 +31,12 @@ def _reference_window(call: Call):
     return alibi_attention(call.q, call.k, call.v, w.slopes, window=w.window, **_reference_args(call))
 
 
+def _reference_grid(call: Call):
+    from ..reference import poslsh_attention_reference_nd
+    return poslsh_attention_reference_nd(call.q, call.k, call.v, call.positional, grid=call.grid, causal=call.causal,
+                                         scale=call.scale, return_lse=True)
+
+
 def load_backends() -> None:
     """Import every backend module once (each registers itself); triton is optional."""
     global _loaded
@@ -40,6 +46,8 @@ def load_backends() -> None:
     everything = ("spans", "documents", "lse")
     register_backend("reference", _reference_sequence, op="sequence", features=everything)
     register_backend("reference", _reference_window, op="window", features=everything)
+    from . import torch_grid  # noqa: F401  (registers "torch" for the "grid" op)
+    register_backend("reference", _reference_grid, op="grid", features=("lse",))
     try:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:

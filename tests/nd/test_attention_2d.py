@@ -6,9 +6,9 @@ import torch
 
 import poslsh
 from poslsh.attention_nd import poslsh_attention_2d
-from poslsh.ops import torch_nd
+from poslsh.ops import torch_grid
 from poslsh.partitions_nd import PartitionsND, grid_coords, sample_partitions_nd
-from poslsh.reference_nd import poslsh_attention_nd_reference
+from poslsh.reference import poslsh_attention_reference_nd
 
 GRIDS = [(1, 1), (1, 17), (17, 1), (7, 13), (32, 32)]
 SIGMA = torch.tensor([[0.6, 0.6], [2.0, 5.0], [6.0, 1.5], [40.0, 40.0]], dtype=torch.float64)   # per axis
@@ -32,7 +32,7 @@ def test_forward_and_grads_match_the_dense_oracle(grid, causal):
     q, k, v = make_qkv(2, 4, 2, n, 8, dv=6, seed=n, requires_grad=True)
     P = sample_partitions_nd(SIGMA, 5, seed=n)
     out = poslsh_attention_2d(q, k, v, P, grid, causal=causal)
-    ref = poslsh_attention_nd_reference(q, k, v, P, grid=grid, causal=causal)
+    ref = poslsh_attention_reference_nd(q, k, v, P, grid=grid, causal=causal)
     w = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
     g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
@@ -54,7 +54,7 @@ def test_float32_close_to_float64_oracle():
     q, k, v = make_qkv(2, 4, 4, 7 * 13, 16, dtype=torch.float32)
     P = sample_partitions_nd(SIGMA, 10, seed=0)
     out = poslsh_attention_2d(q, k, v, P, (7, 13))
-    ref = poslsh_attention_nd_reference(q.double(), k.double(), v.double(), P, grid=(7, 13))
+    ref = poslsh_attention_reference_nd(q.double(), k.double(), v.double(), P, grid=(7, 13))
     print(f"float32 vs float64 oracle: rel err {rel_err(out.double(), ref):.1e}")
     assert out.dtype == torch.float32 and rel_err(out.double(), ref) < 1e-5
 
@@ -96,7 +96,7 @@ def test_underflow_fallback_is_exact():
     k[0, 0, 15] = 400.0
     P = sample_partitions_nd([50.0], 3, seed=1)
     out = poslsh_attention_2d(q, k, v, P, (4, 4), causal=True)
-    ref = poslsh_attention_nd_reference(q, k, v, P, grid=(4, 4), causal=True)
+    ref = poslsh_attention_reference_nd(q, k, v, P, grid=(4, 4), causal=True)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-12
 
 
@@ -104,7 +104,7 @@ def test_chunking_does_not_change_the_result(monkeypatch):
     q, k, v = make_qkv(2, 4, 2, 7 * 13, 8, seed=6)
     P = sample_partitions_nd(SIGMA, 4, seed=6)
     base = poslsh_attention_2d(q, k, v, P, (7, 13), causal=True)
-    monkeypatch.setattr(torch_nd, "CHUNK_ELEMENTS", 64)     # one tile per chunk
+    monkeypatch.setattr(torch_grid, "CHUNK_ELEMENTS", 64)     # one tile per chunk
     assert torch.equal(poslsh_attention_2d(q, k, v, P, (7, 13), causal=True), base)
 
 
@@ -113,11 +113,11 @@ def test_work_is_near_linear_on_a_large_grid():
     fraction of n, and the largest chunk is bounded by CHUNK_ELEMENTS, not by n^2."""
     G, n = 64, 64 * 64
     P = sample_partitions_nd([1.0, 2.0, 4.0], 10, seed=0)
-    b, groups = torch_nd._plan(P.widths, P.offsets, [G, G], False, "cpu")
+    b, groups = torch_grid._plan(P.widths, P.offsets, [G, G], False, "cpu")
     per_query = sum(g.head.numel() * g.tr * g.tc * g.pr * g.pc for g in groups) / (3 * n)
     biggest = max(g.tr * g.tc * g.pr * g.pc for g in groups)
     print(f"scores per query {per_query:.0f} of n = {n}; largest tile {biggest} elements")
-    assert per_query < 0.2 * n and biggest <= torch_nd.CHUNK_ELEMENTS
+    assert per_query < 0.2 * n and biggest <= torch_grid.CHUNK_ELEMENTS
 
 
 def test_double_backward_runs():
@@ -137,7 +137,13 @@ def test_double_backward_runs():
     (lambda q, k, v, P: poslsh_attention_2d(q, k, v, P, 16), ValueError, r"grid must be \(height, width\)"),
     (lambda q, k, v, P: poslsh_attention_2d(q, k, v, sample_partitions_nd([1.0] * 2, 2), (4, 4)),
      ValueError, "partitions were built for 2 heads but q has 4"),
-    (lambda q, k, v, P: poslsh_attention_2d(q, k, v, P, (4, 4), backend="triton"), ValueError, "backend must be one of"),
+    # through the one registry: a backend without the "grid" op (triton, when installed) or none at all
+    (lambda q, k, v, P: poslsh_attention_2d(q, k, v, P, (4, 4), backend="triton"), ValueError,
+     r"backend='triton' cannot run this call: it does not implement the 'grid' op|unknown backend 'triton'"),
+    (lambda q, k, v, P: poslsh_attention_2d(q, k, v, P, (4, 4), backend="fast"), ValueError,
+     r"backend: unknown backend 'fast'; available: \["),
+    (lambda q, k, v, P: poslsh_attention_2d(q, k, v, P, (4, 4), backend="torch", return_lse=True), ValueError,
+     r"backend='torch' cannot run this call: it does not support the log-sum-exp .*one of \['reference'\]"),
 ])
 def test_bad_calls_fail_with_one_clear_line(call, exc, match):
     q, k, v = make_qkv(1, 4, 2, 16, 4)
@@ -154,7 +160,7 @@ def test_empty_and_meta_inputs():
     assert poslsh_attention_2d(q, k, v, P, (2, 3)).device.type == "meta"
     q, k, v = make_qkv(1, 2, 2, 6, 0, dv=3)       # head_dim 0: weights are the counts alone
     out = poslsh_attention_2d(q, k, v, P, (2, 3))
-    ref = poslsh_attention_nd_reference(torch.zeros(1, 2, 6, 1, dtype=torch.float64),
+    ref = poslsh_attention_reference_nd(torch.zeros(1, 2, 6, 1, dtype=torch.float64),
                                         torch.zeros(1, 2, 6, 1, dtype=torch.float64), v, P, grid=(2, 3))
     assert rel_err(out, ref) < 1e-13
 
@@ -162,7 +168,7 @@ def test_empty_and_meta_inputs():
 def test_op_boxes_are_the_sampler_boxes():
     """One geometry: the op's per-line bins are exactly PartitionsND.box_bounds on the grid."""
     P = sample_partitions_nd(SIGMA, 6, seed=8)
-    b = torch_nd.grid_bounds(P.widths, P.offsets, (7, 13), False, "cpu")
+    b = torch_grid.grid_bounds(P.widths, P.offsets, (7, 13), False, "cpu")
     lo, hi = P.box_bounds(grid_coords(7, 13), extent=(7, 13))
     rows, cols = grid_coords(7, 13).unbind(1)
     assert torch.equal(lo[..., 0], b.rlo[:, :, rows]) and torch.equal(hi[..., 0], b.rhi[:, :, rows])

@@ -112,7 +112,7 @@ BAD_SIGMA = [
     (dict(sigma=[1.0], dims=0), ValueError, "dims must be an int >= 1"),
     (dict(sigma=[1.0], num_samples=0), ValueError, "num_samples must be an int >= 1"),
     (dict(sigma=[1.0], seed=1.5), TypeError, "seed must be an int"),
-    (dict(sigma=[1.0], distribution="gamma"), TypeError, "distribution must be a poslsh.kernels"),
+    (dict(sigma=[1.0], widths="gamma"), TypeError, "widths must be a width distribution of poslsh.widths"),
 ]
 
 
@@ -128,10 +128,87 @@ def test_bad_sigma_shapes_fail_with_one_clear_line(kwargs, exc, match):
 
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match=r"\[H, s, D\]"):
-        PartitionsND(torch.ones(2, 3), torch.zeros(2, 3))
+        PartitionsND.from_tensors(torch.ones(2, 3), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match=r"PartitionsND.from_tensors\(widths, offsets, sigma\)"):
+        PartitionsND(torch.ones(2, 3, 2), torch.zeros(2, 3, 2))        # the tensor form has its own name
     with pytest.raises(ValueError, match="box must be a tuple of ints >= 1"):
         PartitionsND.fixed_boxes(2, (0, 3))
     with pytest.raises(ValueError, match="axis must be an int in"):
         sample_partitions_nd([1.0], 2).axis(2)
     with pytest.raises(ValueError, match=r"grid must be \(height, width\)"):
         grid_coords(0, 3)
+
+
+def test_partitions_nd_is_d_partitions():
+    """Built from per-axis Partitions: the views stack them; to, select_heads, equality and the
+    checks are theirs, axis by axis."""
+    rows = poslsh.sample_partitions(torch.tensor([1.0, 5.0, 9.0]), 4, seed=1)
+    cols = poslsh.sample_partitions(torch.tensor([2.0, 3.0, 4.0]), 4, seed=2, method="grouped",
+                                    widths=poslsh.GammaWidths(3.0))
+    P = PartitionsND([rows, cols])
+    assert P.axes == (rows, cols) and P.axis(0) is rows and P.dims == 2 and P.num_heads == 3 and P.num_samples == 4
+    assert torch.equal(P.widths, torch.stack([rows.widths, cols.widths], -1))
+    assert torch.equal(P.offsets[..., 1], cols.offsets) and torch.equal(P.sigma, torch.tensor([[1.0, 2], [5, 3], [9, 4]]))
+    assert P == PartitionsND((rows, cols)) and P != PartitionsND([cols, rows]) and hash(P) == hash(PartitionsND([rows, cols]))
+    assert P.to("cpu") is P
+    sub = P.select_heads([2, 0])
+    assert sub.axes == (rows.select_heads([2, 0]), cols.select_heads([2, 0])) and torch.equal(sub.axes[1].groups,
+                                                                                          cols.groups[[2, 0]])
+    with pytest.raises(ValueError, match="the axes have different width distributions"):
+        P.distribution
+    assert "gamma(2), gamma(3)" in repr(P) and "groups per axis" in repr(P)
+    # E[M] is the product of each axis's own kernel
+    c = grid_coords(3, 4)
+    x = c.double()
+    want = torch.exp(-(x[:, None, 0] - x[None, :, 0]).abs() / rows.sigma[:, None, None]) * \
+        poslsh.GammaWidths(3.0).kernel((x[:, None, 1] - x[None, :, 1]).abs()[None], cols.sigma[:, None, None])
+    assert (P.expected_mean(c) - want).abs().max().item() < 1e-14
+    # the tensor form goes through the same per-axis checks
+    assert PartitionsND.from_tensors(P.widths, P.offsets, P.sigma).axes[0] == rows
+    with pytest.raises(ValueError, match="partition widths must be > 0"):
+        PartitionsND.from_tensors(-P.widths, P.offsets, P.sigma)
+
+
+@pytest.mark.parametrize("axes,match", [
+    (lambda r: [r, r.select_heads([0])], "axis 1 has 1 heads x 4 samples on cpu but axis 0 has 3 x 4"),
+    (lambda r: [r, poslsh.Partitions(r.widths, r.offsets)], "mixing sampled and fixed axes"),
+    (lambda r: [], "non-empty sequence of poslsh.Partitions"),
+    (lambda r: [r.widths], "non-empty sequence of poslsh.Partitions"),
+])
+def test_inconsistent_axes_fail_with_one_line(axes, match):
+    rows = poslsh.sample_partitions(torch.tensor([1.0, 5.0, 9.0]), 4, seed=1)
+    with pytest.raises((ValueError, TypeError), match=match) as err:
+        PartitionsND(axes(rows))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("method", ["stratified", "grouped"])
+def test_correlated_boxes_are_unbiased(method):
+    """Stratified / grouped per axis: every box still has E[M] = prod_a k_a (R replicas, 5 SE)."""
+    R, s = 1500, 8
+    coords = grid_coords(4, 5)
+    P = sample_partitions_nd(torch.tensor([[1.5, 4.0]]).expand(R, 2), s, seed=4, method=method)
+    assert all(a.groups is not None for a in P.axes)
+    M = P.dense_mean(coords)
+    L = P.expected_mean(coords[:, :])[0]
+    mean, se = M.mean(0), M.std(0) / R ** 0.5
+    use = se > 1e-9
+    z = ((mean - L).abs() / se)[use]
+    print(f"{method}: max |z| {z.max().item():.2f} over {int(use.sum())} entries")
+    assert z.max().item() < 5.0 and torch.equal(mean[~use], L[~use])
+
+
+def test_one_axis_reproduces_the_1d_sampler_for_every_method_and_width():
+    sig = poslsh.alibi_sigmas(4)
+    for kwargs in [dict(method="grouped"), dict(method="stratified", widths=poslsh.FixedWidth(2.0)),
+                   dict(widths=poslsh.GammaWidths(3.0))]:
+        pn = sample_partitions_nd(sig, 6, dims=1, seed=3, **kwargs)
+        assert pn.axes[0] == poslsh.sample_partitions(sig, 6, seed=3, **kwargs)
+
+
+def test_to_meta_and_back_shapes():
+    P = sample_partitions_nd(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 5, seed=0, method="grouped")
+    m = P.to("meta")
+    assert m.device.type == "meta" and m.widths.shape == (2, 5, 2) and all(a.device.type == "meta" for a in m.axes)
+    assert m.axes[0].groups.device.type == "meta" and "meta" in repr(m)
+    assert PartitionsND.fixed_boxes(2, (3, 3)).to("meta").to("meta").dims == 2

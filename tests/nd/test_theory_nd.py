@@ -7,10 +7,10 @@ import torch
 
 import poslsh
 from poslsh import theory
-from poslsh.kernels import GammaWidths
+from poslsh.widths import GammaWidths
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd
-from poslsh.reference_nd import (alibi_nd_attention, alibi_nd_bias, alibi_nd_matrix, kernel_attention,
-                                 poslsh_attention_nd_reference)
+from poslsh.reference import (alibi_attention_nd, alibi_bias_nd, alibi_matrix_nd, kernel_attention_nd,
+                                 poslsh_attention_reference_nd)
 from poslsh.reference import dense_attention
 
 
@@ -31,7 +31,7 @@ def test_eq3_max_norm_bound_at_delta_1e_3(dist):
     eps = theory.max_norm_deviation_bound(n, s, delta)
     worst, fails, wrong = 0.0, 0, 0
     for t in range(trials):
-        P = sample_partitions_nd(sigma, s, distribution=dist, seed=t)
+        P = sample_partitions_nd(sigma, s, widths=dist, seed=t)
         err = theory.dense_mask_errors(L, P.dense_mean(coords)).max
         worst = max(worst, err.max().item() / eps)
         fails += int((err >= eps).sum())
@@ -57,7 +57,7 @@ def test_dense_norms_match_torch():
 
 def test_spectral_error_decays_like_one_over_sqrt_s():
     coords = grid_coords(8, 8)
-    L = alibi_nd_matrix(coords, torch.tensor([3.0]))
+    L = alibi_matrix_nd(coords, torch.tensor([3.0]))
     means = []
     for s in (10, 1000):
         errs = [theory.dense_mask_errors(L, sample_partitions_nd([3.0], s, seed=100 * s + t).dense_mean(coords))
@@ -78,8 +78,8 @@ def test_theorem_2_2_with_delta_p_prime(causal):
     n = coords.shape[0]
     sigma = torch.tensor([6.0, 20.0])
     q, k, v = make_qkv(1, 2, n, 4, seed=1)
-    L = alibi_nd_matrix(coords, sigma)
-    exact = alibi_nd_attention(q, k, v, 1 / sigma, grid=grid, causal=causal)
+    L = alibi_matrix_nd(coords, sigma)
+    exact = alibi_attention_nd(q, k, v, 1 / sigma, grid=grid, causal=causal)
     stats = theory.kernel_instance_stats(q[0], k[0], L, causal=causal)
     C = theory.max_norm_deviation_bound(n, s, delta) / theory.delta_p_prime(n, s, delta)
     v_max = v.abs().max().item()
@@ -115,13 +115,13 @@ def test_alibi_nd_references():
     L = torch.exp(-(x[:, None] - x[None]).abs().sum(-1)[None] / sigma[:, None, None])
     w = torch.exp(torch.einsum("bhid,bhjd->bhij", q, k) / 8 ** 0.5) * L
     by_hand = torch.einsum("bhij,bhjd->bhid", w / w.sum(-1, keepdim=True), v)
-    exact = alibi_nd_attention(q, k, v, 1 / sigma, grid=grid)
+    exact = alibi_attention_nd(q, k, v, 1 / sigma, grid=grid)
     assert (exact - by_hand).abs().max().item() < 1e-13
-    assert (kernel_attention(q, k, v, sigma, grid=grid) - exact).abs().max().item() < 1e-13
-    coords_exact = alibi_nd_attention(q, k, v, 1 / sigma, coords=grid_coords(*grid), causal=True)
-    assert (coords_exact - dense_attention(q, k, v, alibi_nd_bias(grid_coords(*grid), 1 / sigma), causal=True)
+    assert (kernel_attention_nd(q, k, v, sigma, grid=grid) - exact).abs().max().item() < 1e-13
+    coords_exact = alibi_attention_nd(q, k, v, 1 / sigma, coords=grid_coords(*grid), causal=True)
+    assert (coords_exact - dense_attention(q, k, v, alibi_bias_nd(grid_coords(*grid), 1 / sigma), causal=True)
             ).abs().max().item() < 1e-14
-    approx = poslsh_attention_nd_reference(q, k, v, sample_partitions_nd(sigma, 20000, seed=0), grid=grid)
+    approx = poslsh_attention_reference_nd(q, k, v, sample_partitions_nd(sigma, 20000, seed=0), grid=grid)
     print(f"s=20000: |T~ - T**|_max = {(approx - exact).abs().max().item():.4f}")
     assert (approx - exact).abs().max().item() < 0.02
 
@@ -131,7 +131,7 @@ def test_reference_one_axis_equals_1d_reference():
     sig = poslsh.alibi_sigmas(4)
     P1, PN = poslsh.sample_partitions(sig, 6, seed=4), sample_partitions_nd(sig, 6, dims=1, seed=4)
     a = poslsh.poslsh_attention_reference(q, k, v, P1, causal=True)
-    b = poslsh_attention_nd_reference(q, k, v, PN, coords=torch.arange(50)[:, None], causal=True)
+    b = poslsh_attention_reference_nd(q, k, v, PN, coords=torch.arange(50)[:, None], causal=True)
     assert (a - b).abs().max().item() < 1e-14
 
 
@@ -139,10 +139,10 @@ def test_reference_errors():
     q, k, v = make_qkv(1, 2, 12, 4)
     P = sample_partitions_nd([1.0, 2.0], 2)
     with pytest.raises(ValueError, match="exactly one of coords"):
-        poslsh_attention_nd_reference(q, k, v, P)
+        poslsh_attention_reference_nd(q, k, v, P)
     with pytest.raises(ValueError, match="coords give 5 tokens but q has seqlen 12"):
-        poslsh_attention_nd_reference(q, k, v, P, coords=grid_coords(1, 5))
+        poslsh_attention_reference_nd(q, k, v, P, coords=grid_coords(1, 5))
     with pytest.raises(ValueError, match=r"slopes must be \[H\] or \[H, 2\]"):
-        alibi_nd_attention(q, k, v, torch.ones(2, 3), grid=(3, 4))
+        alibi_attention_nd(q, k, v, torch.ones(2, 3), grid=(3, 4))
     with pytest.raises(ValueError, match="got 3 slopes for 2 query heads"):
-        alibi_nd_attention(q, k, v, torch.ones(3), grid=(3, 4))
+        alibi_attention_nd(q, k, v, torch.ones(3), grid=(3, 4))

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from poslsh.alibi import alibi_bias
 from poslsh.attention_nd import poslsh_attention_2d
 from poslsh.partitions_nd import PartitionsND, grid_coords, sample_partitions_nd
-from poslsh.reference_nd import alibi_nd_bias
+from poslsh.reference import alibi_bias_nd
 from poslsh.seeding import stable_seed
 from poslsh_paper.experiments.vision.config import Method, ViTConfig, head_sigmas
 
@@ -79,7 +79,7 @@ class Attention(nn.Module):
             if self.method.kind == "alibi-1d":
                 b = alibi_bias(grid[0] * grid[1], slopes, dtype=torch.float32)
             else:
-                b = alibi_nd_bias(grid_coords(*grid), slopes, dtype=torch.float32)
+                b = alibi_bias_nd(grid_coords(*grid), slopes, dtype=torch.float32)
             self._bias[key] = b.to(device)
         return self._bias[key]
 

@@ -1,4 +1,5 @@
-"""Near-linear positional-LSH attention on a 2-D token grid (images), in plain PyTorch.
+"""The ``"torch"`` backend of the ``"grid"`` op: near-linear positional-LSH attention on a 2-D
+token grid (images), in plain PyTorch.
 
 Tokens form a ``Gr x Gc`` grid in raster order. In sample ``t`` the block of the query at
 ``(r, c)`` is the box ``[rlo_t(r), rhi_t(r)) x [clo_t(c), chi_t(c))``, whose sides are 1-D
@@ -19,7 +20,8 @@ and tiles. Raster-causal attention masks keys after the query in raster order.
 
 Backward is flash-attention 2's, recomputed tile by tile from the saved log-sum-exp. Memory is
 ``O(n (d + s))`` plus one bounded chunk: no ``n x n`` tensor. Both directions are
-``torch.library`` custom ops.
+``torch.library`` custom ops. The log-sum-exp is computed but not offered (``return_lse``): its
+gradient would need ``dlse`` in :func:`~poslsh.ops.torch_impl.tiled_backward`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from ..partitions import block_bounds
+from .registry import register_backend
 from .torch_impl import flat_rows, gather_rows, tiled_backward
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
@@ -313,8 +316,17 @@ torch_attention_2d_fwd.register_autograd(_backward, setup_context=_setup_context
 
 def attention_2d(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, grid: Tuple[int, int],
                  causal: bool, scale: float) -> Tensor:
-    """Entry point of :func:`poslsh.attention_nd.poslsh_attention_2d` (validated inputs; widths and
-    offsets ``[H, s, 2]`` float64 on q's device)."""
+    """2-D attention on validated inputs (widths and offsets ``[H, s, 2]`` float64 on q's device)."""
     out, _ = torch_attention_2d_fwd(q, k, v, widths, offsets, [int(grid[0]), int(grid[1])], bool(causal),
                                     float(scale))
     return out
+
+
+def _grid(call):
+    """The registry's entry (``backend="torch"``, op ``"grid"``): ``call.positional`` a
+    :class:`~poslsh.partitions_nd.PartitionsND` with 2 axes on q's device."""
+    parts = call.positional
+    return attention_2d(call.q, call.k, call.v, parts.widths, parts.offsets, call.grid, call.causal, call.scale), None
+
+
+register_backend("torch", _grid, op="grid")

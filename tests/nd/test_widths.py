@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.kernels import FixedWidth, GammaWidths, kernel_by_quadrature
+from poslsh.widths import FixedWidth, GammaWidths, kernel_by_quadrature
 from poslsh.partitions_nd import expected_mask, grid_coords, sample_partitions_nd
 
 DISTRIBUTIONS = [GammaWidths(0.5), GammaWidths(1.0), GammaWidths(2.0), GammaWidths(3.5), GammaWidths(6.0),
@@ -38,7 +38,7 @@ def test_monte_carlo_collision_rate_matches_kernel_1d(dist):
     """Over s = 20000 draws, the fraction of samples in which positions 0 and delta share a bin is
     within 4.5 standard errors of k(delta) for every delta (a wrong kernel is off by 10+ SE)."""
     s, sigma = 20000, 2.5
-    parts = sample_partitions_nd([sigma], s, dims=1, distribution=dist, seed=11)
+    parts = sample_partitions_nd([sigma], s, dims=1, widths=dist, seed=11)
     labels = parts.labels(torch.arange(13)[:, None])[0, :, :, 0]           # [s, 13]
     emp = (labels == labels[:, :1]).double().mean(0)
     k = dist.kernel(torch.arange(13, dtype=torch.float64), sigma)
@@ -59,7 +59,7 @@ def test_monte_carlo_box_mask_matches_product_kernel_2d(dist):
     s = 4000
     sigma = torch.tensor([[1.5, 4.0], [3.0, 3.0]], dtype=torch.float64)      # [H, D]: anisotropic and isotropic
     coords = grid_coords(5, 6)
-    parts = sample_partitions_nd(sigma, s, distribution=dist, seed=5)
+    parts = sample_partitions_nd(sigma, s, widths=dist, seed=5)
     M, L = parts.dense_mean(coords), parts.expected_mean(coords)
     se = (L * (1 - L) / s).sqrt()
     z = ((M - L).abs() / se.clamp_min(1e-12))[se > 0]
@@ -102,8 +102,8 @@ def test_bad_shapes_are_refused(bad, match):
 
 
 def test_non_integer_shape_is_seeded_and_reproducible():
-    a = sample_partitions_nd([2.0, 5.0], 50, distribution=GammaWidths(2.5), seed=1)
-    b = sample_partitions_nd([2.0, 5.0], 50, distribution=GammaWidths(2.5), seed=1)
+    a = sample_partitions_nd([2.0, 5.0], 50, widths=GammaWidths(2.5), seed=1)
+    b = sample_partitions_nd([2.0, 5.0], 50, widths=GammaWidths(2.5), seed=1)
     assert torch.equal(a.widths, b.widths) and torch.equal(a.offsets, b.offsets)
     assert bool((a.offsets >= 0).all()) and bool((a.offsets <= a.widths).all())
-    assert poslsh.kernels.GammaWidths is GammaWidths
+    assert poslsh.widths.GammaWidths is GammaWidths
