@@ -23,6 +23,7 @@ Run: ``python benchmarks/bench_context_parallel.py [--quick] [--no-measure]``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import socket
@@ -120,7 +121,8 @@ def _rank(rank, P, port, n, repeats, outdir):
         ring = _ring(kv, P - 1) + _ring(kv, P - 1) + _ring(kv, P - 1)
         rows.append(dict(halo_bytes=received, halo_sent=sent, halo_comm_s=halo_s, step_s=total, ring_bytes=ring,
                          ring_comm_s=time.perf_counter() - t1))
-    torch.save(rows, os.path.join(outdir, f"rank{rank}.pt"))
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:      # numbers only: JSON, no pickles
+        json.dump(rows, f)
     dist.destroy_process_group()
 
 
@@ -130,7 +132,10 @@ def measure(n: int, P: int, repeats: int) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_rank, args=(P, port, n, repeats, outdir), nprocs=P, join=True)
-        ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(P)]
+        ranks = []
+        for r in range(P):
+            with open(os.path.join(outdir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
     med = lambda key: statistics.median(max(r[i][key] for r in ranks) for i in range(repeats))  # noqa: E731
     byts = [r[0]["halo_bytes"] for r in ranks]
     return dict(n=n, P=P, halo_bytes_mean=statistics.mean(byts), halo_bytes_max=max(byts),
