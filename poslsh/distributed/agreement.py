@@ -103,6 +103,10 @@ def _reason(error: BaseException) -> bytes:
     return text.encode("utf-8")[:_MAX_MESSAGE]
 
 
+def _ranks(rs: List[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
+
+
 def _local_row(q, k, v, positional, causal, scale, shard_start, seq_len, backend) -> Tuple[List[int], float, str]:
     """This rank's metadata row, the resolved scale and backend; raises on bad input."""
     shape = check_qkv(q, k, v)
@@ -151,8 +155,12 @@ def agree(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal: bo
         local[:len(reason)] = torch.tensor(list(reason), dtype=torch.uint8)
         texts = [bytes(t.tolist()[:table[r][_COL["message_bytes"]]]).decode("utf-8", "ignore")
                  for r, t in enumerate(_gather(local, world, group))]
-        why = (f"rank {bad[0]}: {texts[bad[0]]}" if len(bad) == 1 else
-               f"ranks {', '.join(map(str, bad))}: " + "; ".join(f"rank {r}: {texts[r]}" for r in bad))
+        by_reason = {}
+        for r in bad:
+            by_reason.setdefault(texts[r], []).append(r)
+        why = "; ".join(f"{_ranks(rs)}: {text}" for text, rs in by_reason.items())
+        if len(by_reason) > 1:
+            why = f"{_ranks(bad)}: {why}"
         raise ValueError(f"context-parallel attention: bad input on {why} (every rank raises this error)") from error
     starts, lengths, n = check_table(table)
     lo, hi = key_ranges(positional, n, starts, lengths, causal)

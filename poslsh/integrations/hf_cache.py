@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..alibi import AlibiWindow
 from ..decoding import Positional, cache_bound, check_positional, document_rows, first_needed
 from .hf_convert import positional_config
 from .hf_rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
@@ -94,6 +95,9 @@ class CacheSpec:
 
 
 def _frozen(value):
+    """A config value as something comparable and hashable (lists and dicts become tuples)."""
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
     return tuple(_frozen(x) for x in value) if isinstance(value, (list, tuple)) else value
 
 
@@ -102,7 +106,7 @@ def _same_positional(a: Positional, b: Positional) -> bool:
         return True
     if type(a) is not type(b) or a.num_heads != b.num_heads:
         return False
-    pairs = ((a.slopes, b.slopes), (a.window, b.window)) if hasattr(a, "window") else \
+    pairs = ((a.slopes, b.slopes), (a.window, b.window)) if isinstance(a, AlibiWindow) else \
         ((a.widths, b.widths), (a.offsets, b.offsets))
     return all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in pairs)
 

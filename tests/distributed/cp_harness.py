@@ -213,6 +213,7 @@ def error_worker(rank, world, n=60):
         "unexpected_error": dict(scale=ExplodingScale(1.0) if rank == 1 else None),
         "unknown_backend": dict(backend="no-such-backend" if rank == 1 else "auto"),
         "two_bad_ranks": dict(k=k[..., :4] if rank == 0 else k, positional=None if rank == 2 else good),
+        "all_bad_alike": dict(k=k[..., :4]),
         "one_bad_rank": dict(k=k[..., :4] if rank == 1 else k),
     }
     messages = {}

@@ -170,6 +170,7 @@ def test_clear_errors_on_every_rank():
     assert ("bad input on ranks 0, 2: rank 0: ValueError: head_dim of q (8) and k (4) differ; rank 2: TypeError: "
             "positional must be") in m["two_bad_ranks"]
     assert "bad input on rank 1: ValueError: head_dim of q (8) and k (4) differ" in m["one_bad_rank"]
+    assert "bad input on ranks 0, 1, 2: ValueError: head_dim of q (8) and k (4) differ (every" in m["all_bad_alike"]
     assert all("\n" not in x for x in m.values() if isinstance(x, str)), "one-line errors"
     assert m["ok_after"] is True
 
