@@ -13,7 +13,7 @@ also get home).
 Computed (no processes): the same bytes from the partitions alone (exact halos from
 :func:`poslsh.distributed.key_ranges`) for ``P`` up to 1024 and ``n`` up to 16M, for a
 larger model (32 query / 8 key-value heads, d = 128, bf16); the measured rows check the
-model. K/V rows held per rank: ``n / P + halo`` (halo scheme) vs ``2 n / P`` (ring: own
+model. The same for the ALiBi window (:class:`poslsh.alibi.AlibiWindow`, halo ``max_h w_h``). K/V rows held per rank: ``n / P + halo`` (halo scheme) vs ``2 n / P`` (ring: own
 shard and one in flight).
 
 Prints markdown tables, writes ``outputs/bench_context_parallel.json`` atomically (the committed
@@ -23,6 +23,7 @@ Run: ``python benchmarks/bench_context_parallel.py [--quick] [--no-measure]``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import socket
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import poslsh
+from poslsh.alibi import make_window
 from poslsh.distributed import (comm_stats, context_parallel_attention, gather_layout, halo_exchange, key_ranges,
                                 shard_range)
 from poslsh_paper.io import atomic_write_json, markdown_table
@@ -42,6 +44,7 @@ from poslsh_paper.io import atomic_write_json, markdown_table
 S = 10                                                      # samples per head
 SMALL = dict(Hq=8, Hkv=2, d=64, dtype=torch.float32)        # measured on gloo (CPU)
 LARGE = dict(Hq=32, Hkv=8, d=128, dtype=torch.bfloat16)     # cost model
+WINDOWS = (1024, 8192)                                      # max_h w_h of the window cost model
 
 
 def row_bytes(cfg) -> int:
@@ -54,12 +57,14 @@ def partitions(cfg, seed=0):
 
 
 # --------------------------------------------------------------- cost model
-def model_bytes(cfg, n: int, P: int, causal: bool = True, seed: int = 0) -> dict:
+def model_bytes(cfg, n: int, P: int, causal: bool = True, seed: int = 0, positional=None) -> dict:
     """Per rank and layer and step: bytes received by the halo scheme (mean and max over
-    ranks), by ring attention (lower bound), and the K/V rows each holds."""
+    ranks), by ring attention (lower bound), and the K/V rows each holds. ``positional``:
+    partitions or an ALiBi window (default: the partitions of ``seed``)."""
     shards = [shard_range(n, r, P) for r in range(P)]
     starts, lengths = [a for a, _ in shards], [b - a for a, b in shards]
-    lo, hi = key_ranges(partitions(cfg, seed), n, starts, lengths, causal)
+    positional = partitions(cfg, seed) if positional is None else positional
+    lo, hi = key_ranges(positional, n, starts, lengths, causal)
     halo = [(a - l) + (h - (a + m)) for a, m, l, h in zip(starts, lengths, lo, hi)]
     served = [sum(max(0, min(a + m, hi[j]) - max(a, lo[j])) for j in range(P) if j != r)
               for r, (a, m) in enumerate(zip(starts, lengths))]
@@ -120,7 +125,8 @@ def _rank(rank, P, port, n, repeats, outdir):
         ring = _ring(kv, P - 1) + _ring(kv, P - 1) + _ring(kv, P - 1)
         rows.append(dict(halo_bytes=received, halo_sent=sent, halo_comm_s=halo_s, step_s=total, ring_bytes=ring,
                          ring_comm_s=time.perf_counter() - t1))
-    torch.save(rows, os.path.join(outdir, f"rank{rank}.pt"))
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:      # numbers only: JSON, no pickles
+        json.dump(rows, f)
     dist.destroy_process_group()
 
 
@@ -130,7 +136,10 @@ def measure(n: int, P: int, repeats: int) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_rank, args=(P, port, n, repeats, outdir), nprocs=P, join=True)
-        ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(P)]
+        ranks = []
+        for r in range(P):
+            with open(os.path.join(outdir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
     med = lambda key: statistics.median(max(r[i][key] for r in ranks) for i in range(repeats))  # noqa: E731
     byts = [r[0]["halo_bytes"] for r in ranks]
     return dict(n=n, P=P, halo_bytes_mean=statistics.mean(byts), halo_bytes_max=max(byts),
@@ -182,6 +191,18 @@ def main() -> None:
           "B=1 (worst rank):\n")
     print(markdown_table(["n", "P", "mask", "halo tokens", "halo MiB", "ring MiB", "ring / halo",
                           "K/V rows held (halo)", "K/V rows held (ring)"], rows))
+    # The ALiBi window (exact ALiBi cut at per-head windows): a halo of W = max_h w_h on each side
+    rows, out["window_model"] = [], []
+    for W in WINDOWS:
+        win = make_window(poslsh.alibi_slopes(LARGE["Hq"]), W)
+        for n in (1 << 20, 1 << 24):
+            for P in (8, 1024):
+                c = dict(model_bytes(LARGE, n, P, True, positional=win), window=W)
+                out["window_model"].append(c)
+                rows.append([f"{W:,}", f"{n:,}", P, f"{c['halo_max']:,}", mib(c["halo_bytes_max"]),
+                             mib(c["ring_bytes"]), f"{c['ring_bytes'] / max(c['halo_bytes_max'], 1):,.0f}x"])
+    print(f"\nCost model of the ALiBi window (causal, the same model), per rank per layer per step, worst rank:\n")
+    print(markdown_table(["window W", "n", "P", "halo tokens", "halo MiB", "ring MiB", "ring / halo"], rows))
     atomic_write_json(args.out, out)
     print(f"\nwrote {args.out}")
 

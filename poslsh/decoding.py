@@ -1,64 +1,120 @@
-"""Streaming decoding with a bounded KV cache: which cached keys a query can still need.
+"""What a query can see, and streaming decoding with a bounded KV cache built on it.
 
-With fixed (evaluation) partitions, the query at position ``p`` sees only the keys in
-the blocks that contain ``p``, one block per (head, sample), and along the sequence
-those blocks only move forward (block starts are non-decreasing in ``p``). So once
-the next query is at position ``p``, every key before
+Two positional objects decide which keys a query at position ``p`` sees:
 
-    ``first_needed(p) = min over heads h and samples t of start_{h,t}(p)``
+* :class:`~poslsh.partitions.Partitions` (positional LSH, fixed blocks): the keys in the
+  blocks that contain ``p``, one block per (head, sample). Along the sequence those blocks
+  only move forward (block starts are non-decreasing in ``p``);
+* :class:`~poslsh.alibi.AlibiWindow` (exact ALiBi cut at per-head windows): head ``h`` sees
+  the keys ``[p - w_h, p + w_h]``, which also only move forward.
 
-is dead for good: no later query can see it. Dropping those keys after each step
-keeps attention *exactly* the model's own (the same estimator, the same partitions),
-not an approximation of it.
+So once the next query is at position ``p``, every key before
 
-Size bound: a block of a bin of width ``b`` holds at most ``ceil(b)`` positions, so
-after a step a layer keeps ``p - first_needed(p) <= max_block - 1`` keys, where
-``max_block = max_{h,t} ceil(b_{h,t})`` (:func:`cache_bound`), whatever the context
-length; a step of ``nq`` new tokens attends to at most ``max_block - 1 + nq`` keys.
-For random-binning partitions eq. (4) (:func:`poslsh.theory.block_size_bound`)
-bounds the widest bin: ``Pr[b_max > 1 + sigma (3 ln(s/delta) + 2)] < delta`` per
-head, so with probability at least ``1 - H delta`` a layer's cache stays below
-:func:`cache_bound_whp`. Fixed blocks of size ``B`` keep at most ``B - 1`` keys.
+    ``first_needed(p) = min over heads h (and samples t) of the first key h sees from p``
 
-:class:`KVWindow` is the cache of one attention layer for one stream (all batch
-rows at the same positions), calling :func:`poslsh.poslsh_attention` with
-``q_start`` / ``k_start``; the transformers cache
-(:mod:`poslsh.integrations.hf_cache`) applies the same rule per layer, with left
-padding.
+is dead for good: no later causal query can see it (partitions: the smallest block start
+``start_{h,t}(p)``; a window: ``p - max_h w_h``, clamped at 0). Dropping those keys after each
+step keeps attention *exactly* the model's own, not an approximation of it.
+
+Size bound (:func:`cache_bound`): a block of a bin of width ``b`` holds at most ``ceil(b)``
+positions, so after a step a layer with partitions keeps ``p - first_needed(p) <= max_block - 1``
+keys, ``max_block = max_{h,t} ceil(b_{h,t})``, whatever the context length; eq. (4)
+(:func:`poslsh.theory.block_size_bound`) bounds the widest bin with high probability
+(:func:`cache_bound_whp`). A window keeps exactly ``min(p, max_h w_h)`` keys. A step of ``nq``
+new tokens attends to at most ``bound + nq`` keys. The cache is one tensor for all heads, so
+it holds the keys of the head that needs the most; ``per_head=True`` gives what each query
+head needs on its own (a head with a smaller window needs only ``w_h`` of the kept keys).
+
+:class:`KVWindow` is the cache of one attention layer for one stream (all batch rows at the
+same positions); :func:`packed_windows` continues every document of a packed prefill as its
+own stream. The transformers cache (:mod:`poslsh.integrations.hf_cache`) applies the same rule
+per layer, with left padding. :mod:`poslsh.distributed` uses :func:`reach` for its halos.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .attention import poslsh_attention
+from .alibi import AlibiWindow
+from .attention import poslsh_attention, windowed_alibi_attention
+from .documents import make_documents
 from .ops import load_backends, registry
 from .partitions import Partitions
 from .theory import block_size_bound
 
-__all__ = ["first_needed", "cache_bound", "cache_bound_whp", "span_backend", "KVWindow"]
+__all__ = ["Positional", "check_positional", "op_of", "attend", "reach", "first_needed", "cache_bound",
+           "cache_bound_whp", "span_backend", "KVWindow", "document_rows", "packed_windows"]
+
+Positional = Union[Partitions, AlibiWindow]
 
 
-def first_needed(partitions: Partitions, positions: Tensor) -> Tensor:
-    """The first key position a query at each of ``positions`` (int ``[P]``, >= 0) can see:
-    the smallest start of its blocks over all heads and samples, int64 ``[P]``. Keys
-    before ``first_needed(p)`` are never seen by a query at ``p`` or later."""
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-    if positions.numel() == 0:
-        return positions
-    if bool((positions < 0).any()):
+def check_positional(positional, name: str = "positional") -> Positional:
+    """``positional`` itself if it is a :class:`Partitions` or an :class:`AlibiWindow`, else a TypeError."""
+    if not isinstance(positional, (Partitions, AlibiWindow)):
+        raise TypeError(f"{name} must be a poslsh.Partitions or a poslsh.alibi.AlibiWindow (make_window(slopes, "
+                        f"window)), got {type(positional).__name__}")
+    return positional
+
+
+def op_of(positional: Positional) -> str:
+    """The registry op that serves ``positional``: ``"window"`` or ``"sequence"``."""
+    return "window" if isinstance(check_positional(positional), AlibiWindow) else "sequence"
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, positional: Positional, **kwargs):
+    """:func:`poslsh.poslsh_attention` for partitions, :func:`poslsh.windowed_alibi_attention`
+    for a window; ``kwargs`` are the ops' common keyword arguments (causal, scale, backend,
+    q_start, k_start, seq_len, cu_seqlens, document_ids, return_lse)."""
+    if op_of(positional) == "window":
+        return windowed_alibi_attention(q, k, v, positional.slopes, window=positional.window, **kwargs)
+    return poslsh_attention(q, k, v, positional, **kwargs)
+
+
+def _positions(positions) -> Tensor:
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu()
+    if positions.numel() and bool((positions < 0).any()):
         raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
-    start, _ = partitions.block_bounds(int(positions.max()) + 1, positions.to(partitions.device))
-    return start.amin(dim=(0, 1)).cpu()                                      # [H, s, P] -> [P]
+    return positions
 
 
-def cache_bound(partitions: Partitions) -> int:
-    """Most keys a layer with these partitions keeps after a step: ``max_block - 1`` with
-    ``max_block = max_{h,t} ceil(b_{h,t})`` (a bin of width ``b <= 1`` holds one position)."""
-    return max(1, int(math.ceil(float(partitions.widths.max())))) - 1
+def reach(positional: Positional, seq_len: int, positions) -> Tuple[Tensor, Tensor]:
+    """The keys ``[first, end)`` a query at each of ``positions`` (int ``[P]``, in ``[0, seq_len)``)
+    can see under some head (and sample), causality aside: int64 ``[P]`` each, on the CPU."""
+    positions = _positions(positions)
+    if op_of(positional) == "window":
+        w = int(positional.window.max())
+        return (positions - w).clamp_min(0), (positions + w + 1).clamp_max(seq_len)
+    start, end = positional.block_bounds(seq_len, positions.to(positional.device))     # [H, s, P]
+    return start.amin((0, 1)).cpu(), end.amax((0, 1)).cpu()
+
+
+def first_needed(positional: Positional, positions, *, per_head: bool = False) -> Tensor:
+    """The first key position a causal query at each of ``positions`` (int ``[P]``, >= 0) can
+    see, over all heads (and samples): int64 ``[P]``; keys before it are never seen by a query
+    at ``p`` or later. ``per_head``: each query head's own first key, int64 ``[H, P]``."""
+    positions = _positions(positions)
+    if positions.numel() == 0:
+        return positions.reshape(check_positional(positional).num_heads, 0) if per_head else positions
+    if op_of(positional) == "window":
+        heads = (positions[None] - positional.window.cpu()[:, None]).clamp_min(0)          # [H, P]
+    else:
+        start, _ = positional.block_bounds(int(positions.max()) + 1, positions.to(positional.device))
+        heads = start.amin(1).cpu()                                                      # [H, s, P] -> [H, P]
+    return heads if per_head else heads.amin(0)
+
+
+def cache_bound(positional: Positional, *, per_head: bool = False) -> Union[int, List[int]]:
+    """Most keys a layer keeps after a step (one cache tensor for all heads): partitions
+    ``max_block - 1`` with ``max_block = max_{h,t} ceil(b_{h,t})`` (a bin of width ``b <= 1``
+    holds one position); a window ``max_h w_h``. ``per_head``: what each query head needs."""
+    if op_of(positional) == "window":
+        heads = [int(w) for w in positional.window.tolist()]
+    else:
+        heads = [max(1, int(math.ceil(w))) - 1 for w in positional.widths.amax(1).tolist()]
+    return heads if per_head else max(heads)
 
 
 def cache_bound_whp(sigma, num_samples: int, delta: float = 0.01) -> float:
@@ -69,13 +125,13 @@ def cache_bound_whp(sigma, num_samples: int, delta: float = 0.01) -> float:
     return max(block_size_bound(float(x), num_samples, delta) for x in sig) - 1.0
 
 
-def span_backend(backend: str, q: Tensor) -> str:
-    """``backend`` if it attends queries and keys at given positions, else ``"auto"``
+def span_backend(backend: str, q: Tensor, op: str = "sequence") -> str:
+    """``backend`` if it runs ``op`` with queries and keys at given positions, else ``"auto"``
     (e.g. the Triton kernels compute self-attention only: decoding steps use the torch backend)."""
     load_backends()
     if backend == "auto":
         return backend
-    ok = {b.name for b in registry.registered("sequence") if "spans" in b.features["sequence"] and b.can_run(q)}
+    ok = {b.name for b in registry.registered(op) if "spans" in b.features[op] and b.can_run(q)}
     return backend if backend in ok else "auto"
 
 
@@ -84,31 +140,51 @@ class KVWindow:
 
     Every batch row sits at the same positions. Keys and values of positions
     ``[start, end)`` are kept; :meth:`step` appends a chunk, attends its queries to the
-    window with :func:`poslsh.poslsh_attention` (``q_start = end``, ``k_start = start``),
-    then drops every key before :func:`first_needed` of the next position. The window
-    never exceeds :attr:`bound` ``+ nq`` keys (see the module docstring).
+    kept keys (``q_start = end``, ``k_start = start``), then drops every key before
+    :func:`first_needed` of the next position. The cache never exceeds :attr:`bound` keys
+    after a step, ``bound + nq`` during one (see the module docstring).
 
     Args:
-        partitions: fixed partitions of the layer (``Hq`` heads).
+        positional: the layer's fixed :class:`Partitions` or :class:`AlibiWindow` (``Hq`` heads).
         scale: logit scale (default ``1 / sqrt(d)``).
-        backend: backend of :func:`poslsh.poslsh_attention` (one that accepts positions).
+        backend: backend of the op (one that accepts positions; others mean ``"auto"``).
     """
 
-    def __init__(self, partitions: Partitions, *, scale: Optional[float] = None, backend: str = "auto"):
-        if not isinstance(partitions, Partitions):
-            raise TypeError(f"partitions must be a poslsh.Partitions, got {type(partitions).__name__}")
-        self.partitions, self.scale, self.backend = partitions, scale, backend
+    def __init__(self, positional: Positional, *, scale: Optional[float] = None, backend: str = "auto"):
+        self.positional, self.scale, self.backend = check_positional(positional), scale, backend
+        self.op = op_of(positional)
         self.k: Optional[Tensor] = None      # [B, Hkv, end - start, d]
         self.v: Optional[Tensor] = None      # [B, Hkv, end - start, dv]
         self.start = 0                       # position of the first kept key
         self.end = 0                         # tokens seen = position of the next query
         self.peak = 0                        # most keys a step attended to
-        self.bound = cache_bound(partitions)
+        self.bound = cache_bound(positional)
 
     @property
     def size(self) -> int:
-        """Keys kept now (``end - start``)."""
+        """Keys kept now (``end - start``), for every head."""
         return self.end - self.start
+
+    @property
+    def needed_per_head(self) -> List[int]:
+        """Of the kept keys, how many each query head can still see (``<= size``)."""
+        return [self.end - int(f) for f in first_needed(self.positional, [self.end], per_head=True)[:, 0]]
+
+    @classmethod
+    def from_prefill(cls, positional: Positional, k: Tensor, v: Tensor, *, start: int = 0,
+                     scale: Optional[float] = None, backend: str = "auto") -> "KVWindow":
+        """Continue a stream whose keys and values at positions ``[start, start + nk)`` are
+        ``k [B, Hkv, nk, d]``, ``v [B, Hkv, nk, dv]`` (a prefill computed elsewhere, e.g.
+        packed): keeps a copy of only the keys the next query can need."""
+        win = cls(positional, scale=scale, backend=backend)
+        end = start + k.shape[2]
+        keep_from = int(first_needed(positional, [end])[0])
+        if start > keep_from:
+            raise ValueError(f"k: the keys start at position {start} but the next query, at {end}, can see keys "
+                             f"from {keep_from}: pass the prefill's keys from position {keep_from} or earlier")
+        win.k, win.v = (t[:, :, keep_from - start:].clone() for t in (k, v))
+        win.start, win.end = keep_from, end
+        return win
 
     def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the next ``nq`` tokens.
@@ -117,8 +193,8 @@ class KVWindow:
             q: ``[B, Hq, nq, d]`` queries at positions ``[end, end + nq)``.
             k: ``[B, Hkv, nq, d]``, v: ``[B, Hkv, nq, dv]`` their keys and values.
         Returns:
-            ``[B, Hq, nq, dv]``: causal positional-LSH attention of the chunk, equal to the
-            rows ``[end, end + nq)`` of the full-sequence forward.
+            ``[B, Hq, nq, dv]``: the causal attention of the chunk, equal to the rows
+            ``[end, end + nq)`` of the full-sequence forward.
         """
         if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
             raise ValueError(f"q, k, v must hold the same nq new tokens, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
@@ -129,15 +205,15 @@ class KVWindow:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         self.peak = max(self.peak, self.k.shape[2])
-        out = poslsh_attention(q, self.k, self.v, self.partitions, causal=True, scale=self.scale,
-                               backend=span_backend(self.backend, q), q_start=self.end, k_start=self.start)
+        out = attend(q, self.k, self.v, self.positional, causal=True, scale=self.scale,
+                     backend=span_backend(self.backend, q, self.op), q_start=self.end, k_start=self.start)
         self.end += nq
         self.evict()
         return out
 
     def evict(self) -> int:
         """Drop the keys no query at ``end`` or later can see; returns how many were dropped."""
-        keep_from = max(self.start, int(first_needed(self.partitions, torch.tensor([self.end]))[0]))
+        keep_from = max(self.start, int(first_needed(self.positional, [self.end])[0]))
         drop = keep_from - self.start
         if drop > 0:
             # A view: the next step's cat copies only the kept keys. After a long prompt most
@@ -148,3 +224,41 @@ class KVWindow:
                 self.k, self.v = self.k.clone(), self.v.clone()
             self.start = keep_from
         return drop
+
+
+# ------------------------------------------------------------------ packed prefill
+def document_rows(k: Tensor, v: Tensor, *, cu_seqlens: Optional[Tensor] = None,
+                  document_ids: Optional[Tensor] = None) -> List[Tuple[Tensor, Tensor]]:
+    """Split the keys ``k [B, Hkv, n, d]`` and values ``v [B, Hkv, n, dv]`` of a packed prefill into
+    one ``(k_d [1, Hkv, L_d, d], v_d [1, Hkv, L_d, dv])`` per document (views), batch row by batch
+    row, in order. Positions restart at 0 in every document (:mod:`poslsh.documents`), so
+    ``k_d`` holds document ``d``'s keys at its own positions ``[0, L_d)``. With ``cu_seqlens``
+    (``B = 1``) every one of its ``D`` documents gets an entry, empty ones included."""
+    B, n = k.shape[0], k.shape[2]
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k and v must agree in [batch, heads, seqlen], got {tuple(k.shape)} and {tuple(v.shape)}")
+    docs = make_documents(B, n, cu_seqlens=cu_seqlens, document_ids=document_ids, device=k.device)
+    if docs is None:
+        raise ValueError("document_rows needs cu_seqlens or document_ids (the packed prefill's documents)")
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64).cpu()
+        lengths = [(cu[1:] - cu[:-1]).tolist()]
+    else:
+        lengths = [docs.lengths(b).tolist() for b in range(B)]
+    rows = []
+    for b, row in enumerate(lengths):
+        a = 0
+        for m in row:
+            rows.append((k[b:b + 1, :, a:a + m], v[b:b + 1, :, a:a + m]))
+            a += m
+    return rows
+
+
+def packed_windows(positional: Positional, k: Tensor, v: Tensor, *, cu_seqlens: Optional[Tensor] = None,
+                   document_ids: Optional[Tensor] = None, scale: Optional[float] = None,
+                   backend: str = "auto") -> List[KVWindow]:
+    """After a packed prefill (``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]`` of the packed tokens and
+    their documents): one :class:`KVWindow` per document (:func:`document_rows` order), each
+    continuing its document exactly as if it had been run alone, positions from 0."""
+    return [KVWindow.from_prefill(positional, kd, vd, scale=scale, backend=backend)
+            for kd, vd in document_rows(k, v, cu_seqlens=cu_seqlens, document_ids=document_ids)]

@@ -1,12 +1,17 @@
-"""A bounded KV cache for positional-LSH / fixed-blocks models, in transformers' cache API.
+"""A bounded KV cache in transformers' cache API: positional LSH, fixed blocks, ALiBi windows.
 
 :class:`PoslshCache` is a ``transformers.Cache`` with one :class:`PoslshCacheLayer` (a
 ``DynamicLayer``) per decoder layer. After every forward step a layer drops the keys no
-later query can see (:mod:`poslsh.decoding`: every key before the smallest block start,
-over heads and samples, of the next position), so decoding is *exactly* the model's
-own attention and a layer never keeps more than ``cache_bound(partitions)`` keys (its
-widest block minus one; eq. (4) bounds that width with high probability), plus the
-tokens of the current chunk, whatever the context length.
+later query can see (:mod:`poslsh.decoding`: every key before the first key, over heads
+and samples, that the next position sees), so decoding is *exactly* the model's own
+attention and a layer never keeps more than ``cache_bound(positional)`` keys (partitions:
+the widest block minus one, bounded by eq. (4) with high probability; an ALiBi window:
+``max_h w_h``), plus the tokens of the current chunk, whatever the context length.
+
+Schemes (:data:`CACHE_SCHEMES`): ``"poslsh"`` and ``"fixed_blocks"`` (the attention passes the
+layer's :class:`~poslsh.partitions.Partitions`) and ``"alibi-window"`` (it passes the layer's
+:class:`~poslsh.alibi.AlibiWindow`). The attention function of a scheme calls :func:`attend`
+with the layer it received and its positional object; nothing else is scheme-specific.
 
 How the attention finds its layer: Llama / Qwen3 / Mistral call
 ``cache.update(k, v, layer_idx, kwargs=kwargs)`` with the attention call's keyword
@@ -18,49 +23,58 @@ Positions: keys are kept in *padded* coordinates (index in the batch's token
 sequence, ``[start, total)``). A row's positions start at its first real token, as in
 the prefill without a cache (left padding): the layer learns each row's first real
 token from the causal mask (its diagonal says which new tokens are real). Each step
-runs :func:`poslsh.poslsh_attention` with ``q_start`` / ``k_start`` once per group of
-rows with the same offsets (one call without padding); outputs at padding positions
-are zero.
+runs the op with ``q_start`` / ``k_start`` once per group of rows with the same offsets
+(:mod:`.hf_rows`; one call without padding); outputs at padding positions are zero. After
+a packed prefill, :func:`packed_prefill_cache` makes every document its own row.
 
 Bad input raises one ``ValueError`` line: a cache built for another model instance,
-scheme, number of samples, block size or partition seed; a model in training mode
+scheme, number of samples, block size, partition seed or window; a layer asked to attend
+with other partitions / another window than it evicted with; a model in training mode
 (its partitions change every forward); ``position_ids`` that do not continue the
 cache; padding after a row's first real token; another batch size; a step whose
-attention was not a poslsh / fixed_blocks one.
+attention was not one of the schemes.
 """
 from __future__ import annotations
 
 import types
 import weakref
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..attention import poslsh_attention
-from ..decoding import cache_bound, first_needed, span_backend
-from ..partitions import Partitions
+from ..alibi import AlibiWindow
+from ..decoding import Positional, cache_bound, check_positional, document_rows, first_needed
 from .hf_convert import positional_config
+from .hf_rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
 
-__all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "CacheSpec", "PoslshCacheLayer", "PoslshCache", "attend",
-           "span_rows_attention", "left_pads", "generation_cache", "enable_generation_cache"]
+__all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "CacheSpec", "PoslshCacheLayer",
+           "PoslshCache", "attend", "span_rows_attention", "left_pads", "packed_prefill_cache", "generation_cache",
+           "enable_generation_cache"]
 
 CACHE_KWARG = "poslsh_cache_layer"
-BLOCK_SCHEMES = ("poslsh", "fixed_blocks")
+BLOCK_SCHEMES = ("poslsh", "fixed_blocks")          # the attention passes Partitions
+WINDOW_SCHEMES = ("alibi-window",)                  # the attention passes an AlibiWindow
+CACHE_SCHEMES = BLOCK_SCHEMES + WINDOW_SCHEMES
 NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
+# PositionalConfig fields that cannot change what a window scheme attends to
+_NOT_POSITIONAL = ("scheme", "backend", "rope_removed")
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What the partitions of a model's attention depend on (fields a scheme ignores are None)."""
+    """What the positional weights of a model's attention depend on (fields a scheme ignores
+    are None). A window scheme keys on every field of the model's ``PositionalConfig`` but the
+    backend (``params``): whichever of them carry its windows, a change makes the cache stale."""
 
     scheme: str
     num_heads: int
     num_samples: Optional[int] = None     # poslsh
     eval_seed: Optional[int] = None       # poslsh
     block_size: Optional[int] = None      # fixed_blocks
+    params: Optional[tuple] = None        # window schemes: ((field, value), ...)
 
     @classmethod
     def of(cls, config, scheme: Optional[str] = None) -> "CacheSpec":
@@ -69,23 +83,32 @@ class CacheSpec:
         H = int(config.num_attention_heads)
         if scheme == "poslsh":
             return cls(scheme, H, num_samples=pc.num_samples, eval_seed=pc.eval_seed)
+        if scheme in WINDOW_SCHEMES:
+            return cls(scheme, H, params=tuple((k, _frozen(v)) for k, v in sorted(asdict(pc).items())
+                                               if k not in _NOT_POSITIONAL))
         return cls(scheme, H, block_size=pc.block_size)
 
     def __str__(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v is not None and k != "scheme")
+        extra = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v is not None and k not in ("scheme", "params"))
+        extra += "".join(f", {k}={v}" for k, v in self.params or ())
         return f"{self.scheme} ({extra})"
 
 
-def _validity(allowed: Optional[Tensor], B: int, nq: int) -> Optional[Tensor]:
-    """Which new tokens are real, bool ``[B, nq]`` (None: all), from the diagonal of a causal
-    mask ``[B, 1, nq, kv]`` whose last ``nq`` key columns are the new tokens."""
-    if allowed is None:
-        return None
-    if allowed.shape[-2] != nq or allowed.shape[-1] < nq:
-        raise ValueError(f"attention_mask: a mask of shape {tuple(allowed.shape)} does not fit a cached step of {nq} "
-                         "tokens; pass the 2-D padding mask (as generate() does), not a 4-D one")
-    idx = torch.arange(nq, device=allowed.device)
-    return allowed[:, 0, idx, allowed.shape[-1] - nq + idx].expand(B, nq).cpu()
+def _frozen(value):
+    """A config value as something comparable and hashable (lists and dicts become tuples)."""
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+    return tuple(_frozen(x) for x in value) if isinstance(value, (list, tuple)) else value
+
+
+def _same_positional(a: Positional, b: Positional) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.num_heads != b.num_heads:
+        return False
+    pairs = ((a.slopes, b.slopes), (a.window, b.window)) if isinstance(a, AlibiWindow) else \
+        ((a.widths, b.widths), (a.offsets, b.offsets))
+    return all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in pairs)
 
 
 class PoslshCacheLayer(DynamicLayer):
@@ -103,7 +126,7 @@ class PoslshCacheLayer(DynamicLayer):
         self.total = 0                    # tokens seen, padding included (= next padded position)
         self.start = 0                    # padded position of keys[..., 0, :]
         self.pads: Optional[List[Optional[int]]] = None   # per row: padded position of its first real token
-        self.partitions: Optional[Partitions] = None
+        self.positional: Optional[Positional] = None   # partitions / window the layer evicts with
         self.peak = 0                     # most keys a step attended to
         self.pending = False              # updated, not yet attended
 
@@ -113,7 +136,7 @@ class PoslshCacheLayer(DynamicLayer):
             raise ValueError("cache: this model does not pass its attention kwargs to cache.update (transformers 5 "
                              "Llama / Qwen3 / Mistral do), so it cannot use a PoslshCache; use a DynamicCache")
         if self.pending:
-            raise ValueError(f"cache: layer {self.index}'s last update was never attended by poslsh/fixed_blocks "
+            raise ValueError(f"cache: layer {self.index}'s last update was never attended by a {'/'.join(CACHE_SCHEMES)} "
                              f"attention (another attn_implementation, or an error interrupted the step): {NEW_CACHE}")
         B = key_states.shape[0]
         if self.pads is None:
@@ -230,7 +253,7 @@ class PoslshCacheLayer(DynamicLayer):
         """Drop every key no query at or after the next position can see (all rows)."""
         started = sorted({p for p in self.pads if p is not None})
         if started:
-            need = first_needed(self.partitions, torch.tensor([self.total - p for p in started]))
+            need = first_needed(self.positional, [self.total - p for p in started])
             keep_from = min(p + n for p, n in zip(started, need.tolist()))
         else:   # no real token yet: nothing a later query can see
             keep_from = self.total
@@ -244,101 +267,62 @@ class PoslshCacheLayer(DynamicLayer):
 
 
 def attend(layer: PoslshCacheLayer, module, scheme: str, query: Tensor, key: Tensor, value: Tensor,
-           allowed: Optional[Tensor], partitions: Partitions, scale: float, backend: str,
+           allowed: Optional[Tensor], positional: Positional, scale: float, backend: str,
            position_ids: Optional[Tensor]) -> Tensor:
     """One cached step of layer ``layer``: ``query [B, Hq, nq, d]`` (the new tokens) against
     ``key/value [B, Hkv, total - start, d]`` (what ``layer.update`` returned); returns
-    ``[B, Hq, nq, dv]`` and evicts. ``allowed``: the boolean causal mask (or None)."""
+    ``[B, Hq, nq, dv]`` and evicts. ``allowed``: the boolean causal mask (or None);
+    ``positional``: the layer's :class:`Partitions` (``poslsh``, ``fixed_blocks``) or
+    :class:`AlibiWindow` (``alibi-window``), the same at every step (checked)."""
     layer.check(module, scheme)
+    check_positional(positional)
+    if layer.positional is not None and not _same_positional(layer.positional, positional):
+        raise ValueError(f"cache: layer {layer.index} evicted its keys for other partitions / another window than "
+                         f"its attention passes now: {NEW_CACHE}")
     B, nq = query.shape[0], query.shape[2]
     if key.shape[2] != layer.keys.shape[-2]:
         raise ValueError(f"cache: layer {layer.index} returned {layer.keys.shape[-2]} keys but the attention got "
                          f"{key.shape[2]}")
-    valid = _validity(allowed, B, nq)
+    valid = new_token_validity(allowed, B, nq)
     layer.observe(valid, nq)
     layer.check_positions(position_ids, valid, nq)
-    layer.partitions = partitions
-    out = span_rows_attention(query, key, value, partitions, layer.total - nq, layer.start, layer.pads, scale,
+    layer.positional = positional
+    out = span_rows_attention(query, key, value, positional, layer.total - nq, layer.start, layer.pads, scale,
                               backend)
     layer.evict()
     layer.pending = False
     return out
 
 
-def span_rows_attention(query: Tensor, key: Tensor, value: Tensor, partitions: Partitions, q_first: int,
-                        k_first: int, pads: List[Optional[int]], scale: float, backend: str) -> Tensor:
-    """Causal attention of ``query [B, Hq, nq, d]`` at padded positions ``[q_first, q_first + nq)``
-    to ``key/value [B, Hkv, nk, d]`` at padded ``[k_first, k_first + nk)``, where row ``b``'s own
-    positions start at its first real token ``pads[b]`` (None: no real token yet). One
-    :func:`poslsh.poslsh_attention` call per group of rows with equal offsets; returns
-    ``[B, Hq, nq, dv]``, zero at padding positions."""
-    B, Hq, nq, _ = query.shape
-    backend = span_backend(backend, query)
-    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for b, pad in enumerate(pads):
-        if pad is None or pad >= q_first + nq:
-            continue
-        i0, j0 = max(0, pad - q_first), max(0, pad - k_first)
-        groups.setdefault((i0, j0, q_first + i0 - pad, k_first + j0 - pad), []).append(b)
-
-    def run(rows, i0, j0, qs, ks):
-        return poslsh_attention(query[rows, :, i0:], key[rows, :, j0:], value[rows, :, j0:], partitions,
-                                causal=True, scale=scale, backend=backend, q_start=qs, k_start=ks)
-
-    if len(groups) == 1:
-        (i0, j0, qs, ks), rows = next(iter(groups.items()))
-        if i0 == 0 and len(rows) == B:     # no padding in this step: one call on the whole batch
-            return run(slice(None), i0, j0, qs, ks)
-    out = query.new_zeros(B, Hq, nq, value.shape[-1])
-    for (i0, j0, qs, ks), rows in groups.items():
-        idx = torch.tensor(rows, device=query.device)
-        out[idx, :, i0:] = run(idx, i0, j0, qs, ks)
-    return out
-
-
-def left_pads(allowed: Optional[Tensor], B: int, nq: int, nk: int) -> Optional[List[Optional[int]]]:
-    """For a full cache (queries are the last ``nq`` of ``nk`` keys): each row's first real
-    key if ``allowed [B, 1|H, nq, nk]`` is causal with left padding (None for a row with no
-    real key), else None (another mask: the caller takes the dense path)."""
-    if allowed is None:
-        return [0] * B
-    if allowed.shape[-2:] != (nq, nk) or (allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all())):
-        return None
-    a = allowed[:, 0].expand(B, nq, nk)
-    last = a[:, -1]
-    pad = torch.where(last.any(1), last.to(torch.int8).argmax(1), nk)
-    j = torch.arange(nk, device=a.device)
-    i = torch.arange(nk - nq, nk, device=a.device)
-    expect = (j[None, None] >= pad[:, None, None]) & (j[None, None] <= i[None, :, None])
-    if not torch.equal(a, expect):
-        return None
-    return [p if p < nk else None for p in pad.tolist()]
-
-
 class PoslshCache(Cache):
-    """Bounded KV cache of a poslsh / fixed_blocks model (see the module docstring).
+    """Bounded KV cache of a poslsh / fixed_blocks / alibi-window model (see the module docstring).
 
     ``model.generate()`` uses one automatically for models built or converted by
     :mod:`poslsh.integrations.hf`; pass ``cache=PoslshCache(model)`` to a forward call to
-    decode by hand. :meth:`stats` reports, per layer, the keys kept, the most keys a step
-    attended to, and the bound ``cache_bound(partitions)`` that kept keys never exceed.
+    decode by hand. ``scheme``: the scheme the model's attention reports to :func:`attend`
+    (default its ``attn_implementation``; one of :data:`CACHE_SCHEMES`). :meth:`stats` reports,
+    per layer, the keys kept, the most keys a step attended to, and the bound
+    ``cache_bound(positional)`` that kept keys never exceed.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, scheme: Optional[str] = None):
         config = model.config.get_text_config(decoder=True)
-        impl = config._attn_implementation
-        if impl not in BLOCK_SCHEMES:
-            raise ValueError(f"model: a PoslshCache serves attn_implementation 'poslsh' or 'fixed_blocks', this model "
-                             f"runs {impl!r}; use transformers' DynamicCache")
-        spec = CacheSpec.of(config)
+        scheme = scheme or config._attn_implementation
+        if scheme not in CACHE_SCHEMES:
+            raise ValueError(f"model: a PoslshCache serves attn_implementation {' / '.join(map(repr, CACHE_SCHEMES))}, "
+                             f"this model runs {scheme!r}; use transformers' DynamicCache")
+        spec = CacheSpec.of(config, scheme)
         owner = weakref.ref(config)
         super().__init__(layers=[PoslshCacheLayer(i, spec, owner) for i in range(config.num_hidden_layers)])
 
     def stats(self) -> List[dict]:
-        """Per layer: ``tokens`` seen, ``kept`` keys, ``peak`` keys attended in one step,
-        ``bound`` (``cache_bound`` of its partitions; None before the first step)."""
+        """Per layer: ``tokens`` seen, ``kept`` keys (one tensor for all heads), ``peak`` keys
+        attended in one step, ``bound`` (``cache_bound`` of its partitions / window; None before
+        the first step) and ``bound_per_head`` (what each query head alone needs)."""
         return [{"layer": l.index, "tokens": l.total, "kept": l.size, "peak": l.peak,
-                 "bound": None if l.partitions is None else cache_bound(l.partitions)} for l in self.layers]
+                 "bound": None if l.positional is None else cache_bound(l.positional),
+                 "bound_per_head": None if l.positional is None else cache_bound(l.positional, per_head=True)}
+                for l in self.layers]
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held now."""
@@ -346,12 +330,46 @@ class PoslshCache(Cache):
                    for t in (l.keys, l.values))
 
 
+def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, cu_seqlens: Optional[Tensor] = None,
+                         document_ids: Optional[Tensor] = None, scheme: Optional[str] = None) -> PoslshCache:
+    """A :class:`PoslshCache` with one row per document of a packed prefill, each continuing its
+    document exactly as if it had been run alone (positions restart at 0 in every document).
+
+    Args:
+        model: the model (as for :class:`PoslshCache`).
+        prefill: the prefill's keys and values per layer, ``k [B, Hkv, n, d]``, ``v [B, Hkv, n, dv]``
+            of the packed tokens: a ``transformers`` cache filled by the packed forward (e.g. a
+            ``DynamicCache``) or a list of ``(k, v)``.
+        positionals: each layer's :class:`Partitions` / :class:`AlibiWindow` (what its attention
+            passes to :func:`attend`, checked at the first step).
+        cu_seqlens, document_ids: the packed documents (:mod:`poslsh.documents`); row ``d`` of the
+            cache is document ``d`` (:func:`poslsh.decoding.document_rows` order).
+        scheme: as for :class:`PoslshCache`.
+    Returns:
+        The cache, rows left-padded so every row's next token is at the same padded position;
+        each layer holds only the keys its rows' continuations can need (evicted per row as
+        after any step). Decode with ``model(next_tokens [D, nq], cache=cache, use_cache=True)``.
+    """
+    cache = PoslshCache(model, scheme)
+    pairs = [(l.keys, l.values) for l in prefill.layers] if isinstance(prefill, Cache) else list(prefill)
+    if len(pairs) != len(cache.layers) or len(positionals) != len(cache.layers):
+        raise ValueError(f"prefill / positionals: got {len(pairs)} layers of keys and {len(positionals)} positional "
+                         f"objects for a model of {len(cache.layers)} layers")
+    for layer, (k, v), positional in zip(cache.layers, pairs, positionals):
+        rows = document_rows(k, v, cu_seqlens=cu_seqlens, document_ids=document_ids)
+        keys, values, total, start, pads = left_padded_rows(rows, check_positional(positional))
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values, layer.total, layer.start = keys, values, total, start
+        layer.pads, layer.positional = pads, positional
+    return cache
+
+
 # ------------------------------------------------------------------ generate()
 def generation_cache(model) -> PoslshCache:
-    """A bounded KV cache for ``model`` (attn_implementation ``"poslsh"`` or ``"fixed_blocks"``):
+    """A bounded KV cache for ``model`` (attn_implementation one of :data:`CACHE_SCHEMES`):
     ``model.generate(x, cache=generation_cache(model))`` or ``model(x, cache=c, use_cache=True)``.
-    Each layer keeps at most ``poslsh.decoding.cache_bound`` of its partitions keys, plus the
-    tokens of the current step."""
+    Each layer keeps at most ``poslsh.decoding.cache_bound`` of its partitions / window keys,
+    plus the tokens of the current step."""
     return PoslshCache(model)
 
 
@@ -360,7 +378,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
             and not getattr(generation_config, "is_assistant", False)
-            and self.config.get_text_config(decoder=True)._attn_implementation in BLOCK_SCHEMES):
+            and self.config.get_text_config(decoder=True)._attn_implementation in CACHE_SCHEMES):
         model_kwargs["cache"] = PoslshCache(self)
         return None
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
@@ -368,7 +386,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
 
 def enable_generation_cache(model):
     """Make ``model.generate()`` use a :class:`PoslshCache` wherever it would build a default
-    cache and the model runs poslsh / fixed_blocks attention (checked at each call); returns
+    cache and the model runs one of :data:`CACHE_SCHEMES` (checked at each call); returns
     ``model``. ``hf.apply_positional_scheme``, ``hf.from_pretrained`` and
     ``hf.model_from_config`` do this."""
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)

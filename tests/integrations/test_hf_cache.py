@@ -9,9 +9,15 @@ transformers = pytest.importorskip("transformers")
 import poslsh  # noqa: E402
 from poslsh import partitions as partitions_mod  # noqa: E402
 from poslsh import reference  # noqa: E402
+from poslsh.alibi import make_window  # noqa: E402
+from poslsh.decoding import attend  # noqa: E402
 from poslsh.integrations import hf, hf_cache  # noqa: E402
+from poslsh.integrations.hf_convert import attention_modules  # noqa: E402
 
 SCHEMES = ["poslsh", "fixed_blocks"]
+# The window op and packed documents run on the dense "reference" backend here (small n): the
+# torch backend does not serve them yet. Switch to "torch" when it does.
+WINDOW_AND_DOCUMENTS_BACKEND = "reference"
 
 
 def tiny(scheme, H=4, KV=2, layers=2, dtype=torch.float32, seed=0, **params):
@@ -222,9 +228,147 @@ def test_cache_api_bits():
     with torch.no_grad():
         model(tokens(10), cache=cache, use_cache=True)
     st = cache.stats()
-    assert st[0] == {"layer": 0, "tokens": 10, "kept": 2, "peak": 10, "bound": 3}
+    assert st[0] == {"layer": 0, "tokens": 10, "kept": 2, "peak": 10, "bound": 3, "bound_per_head": [3] * 4}
     assert cache.get_seq_length() == 10 and cache.get_mask_sizes(1, 0) == (3, 8)
     assert cache.nbytes() == 2 * 2 * (1 * 2 * 2 * 8 * 4)       # layers x (k, v) x [1, 2, 2, 8] fp32
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.stats()[0]["kept"] == 0
     assert isinstance(hf_cache.CacheSpec.of(model.config), hf_cache.CacheSpec)
+
+
+# ------------------------------------------- the window scheme and packed prefills
+# What poslsh.integrations.hf will register for the "alibi-window" scheme, in miniature: the
+# layer's positional object goes to hf_cache.attend with a cache layer, to the op without one
+# (one sequence, or one packed row with ``test_cu_seqlens``).
+WINDOWS = [2, 5, 9, 13]            # per query head of the 4-head model: a layer keeps 13 keys
+TEST_IMPL = "test_positional_scheme"
+
+
+def layer_positional(module, H):
+    if module.config.test_scheme == "alibi-window":
+        return make_window(poslsh.alibi_slopes(H), torch.tensor(WINDOWS[:H]))
+    return hf.layer_partitions(module, H, "poslsh")
+
+
+def _test_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    scheme, H = module.config.test_scheme, query.shape[1]
+    layer, cu = kwargs.pop(hf_cache.CACHE_KWARG, None), kwargs.get("test_cu_seqlens")
+    steps = WINDOW_AND_DOCUMENTS_BACKEND if scheme == "alibi-window" else "torch"
+    if layer is not None:
+        out = hf_cache.attend(layer, module, scheme, query, key, value, hf._allowed(attention_mask),
+                              layer_positional(module, H), scaling, steps, kwargs.get("position_ids"))
+    else:
+        assert query.shape[0] == 1 and query.shape[2] == key.shape[2], "one unpadded sequence or packed row"
+        out = attend(query, key, value, layer_positional(module, H), causal=True, scale=scaling, cu_seqlens=cu,
+                     backend=WINDOW_AND_DOCUMENTS_BACKEND if cu is not None else steps)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def scheme_model(scheme, dtype=torch.float64):
+    """A tiny model whose attention is ``_test_attention`` for ``scheme`` ("poslsh": the eval
+    partitions hf.py uses; "alibi-window": ALiBi slopes cut at WINDOWS)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    transformers.AttentionInterface.register(TEST_IMPL, _test_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(TEST_IMPL, sdpa_mask)
+    model = tiny("poslsh", dtype=dtype)
+    model.config.test_scheme = scheme
+    model.set_attn_implementation(TEST_IMPL)
+    return model
+
+
+def run(model, x, steps, cache=None):
+    """Greedy decoding by hand: logits of the prompt's last token and of ``steps`` more, the tokens."""
+    with torch.no_grad():
+        logits = [model(x, cache=cache, use_cache=cache is not None).logits[:, -1]]
+        toks = [logits[-1].argmax(-1, keepdim=True)]
+        for _ in range(steps):
+            seq = toks[-1] if cache is not None else torch.cat([x] + toks, 1)
+            logits.append(model(seq, cache=cache, use_cache=cache is not None).logits[:, -1])
+            toks.append(logits[-1].argmax(-1, keepdim=True))
+    return torch.stack(logits, 1), torch.cat(toks, 1)
+
+
+def test_window_scheme_generate_with_the_cache_equals_recomputation_holding_exactly_w_keys():
+    model = scheme_model("alibi-window", dtype=torch.float32)
+    x = tokens(30)
+    cache = hf_cache.PoslshCache(model, scheme="alibi-window")
+    cached, lc = greedy(model, x, cache=cache)
+    plain, lp = greedy(model, x, use_cache=False)
+    err = float((lc - lp).abs().max())
+    print(f"alibi-window: tokens equal {torch.equal(cached.sequences, plain.sequences)}, max logit diff {err:.1e}, "
+          f"cache {cache.stats()}")
+    assert torch.equal(cached.sequences, plain.sequences) and err < 1e-5
+    for st in cache.stats():
+        assert st["kept"] == st["bound"] == 13 and st["bound_per_head"] == WINDOWS and st["tokens"] == 30 + 11
+
+
+def test_window_scheme_chunked_decoding_equals_recomputation_at_every_position():
+    """200 tokens in chunks of 1..25 through the window cache: the logits at every position
+    equal one full forward, and every layer holds exactly min(tokens, 13) keys after each step."""
+    model, x = scheme_model("alibi-window"), tokens(200)
+    with torch.no_grad():
+        want = model(x).logits
+        cache, got, pos, i, chunks = hf_cache.PoslshCache(model, scheme="alibi-window"), [], 0, 0, [1, 1, 25, 3, 1]
+        while pos < x.shape[1]:
+            c = min(chunks[i % len(chunks)], x.shape[1] - pos)
+            got.append(model(x[:, pos:pos + c], cache=cache, use_cache=True).logits)
+            pos, i = pos + c, i + 1
+            assert all(st["kept"] == min(pos, 13) for st in cache.stats())
+    err = float((torch.cat(got, 1) - want).abs().max())
+    print(f"alibi-window: max |cached - full forward| over 200 positions = {err:.1e}")
+    assert err < 1e-10
+
+
+@pytest.mark.parametrize("scheme", ["poslsh", "alibi-window"])
+def test_packed_prefill_cache_continues_every_document_as_if_alone(scheme):
+    """Four documents (23, 1, 40 and 9 tokens) prefilled as one packed row, turned into a cache
+    of four rows, then 6 greedy steps for all of them at once: every row's logits and tokens
+    equal its document run alone, with its own cache and without any (recomputation). The
+    poslsh scheme decodes with hf.py's own "poslsh" attention."""
+    model = scheme_model(scheme)
+    docs = [tokens(n, seed=n)[0] for n in (23, 1, 40, 9)]
+    cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0)
+    with torch.no_grad():
+        prefill = transformers.DynamicCache(config=model.config)
+        packed = model(torch.cat(docs)[None], cache=prefill, use_cache=True, test_cu_seqlens=cu).logits[0]
+    positionals = [layer_positional(m, 4) for m in attention_modules(model)]
+    cache = hf_cache.packed_prefill_cache(model, prefill, positionals, cu_seqlens=cu, scheme=scheme)
+    if scheme == "poslsh":
+        model.set_attn_implementation("poslsh")
+    first = packed[cu[1:] - 1]                                           # [D, vocab]: each document's last token
+    steps, toks = [first], [first.argmax(-1, keepdim=True)]
+    with torch.no_grad():
+        for _ in range(6):
+            steps.append(model(toks[-1], cache=cache, use_cache=True).logits[:, -1])
+            toks.append(steps[-1].argmax(-1, keepdim=True))
+    got, got_toks = torch.stack(steps, 1), torch.cat(toks, 1)
+    for d, doc in enumerate(docs):
+        alone = run(model, doc[None], 6, hf_cache.PoslshCache(model, scheme=scheme))
+        recomputed = run(model, doc[None], 6)
+        errs = [float((got[d] - want[0]).abs().max()) for want, _ in (alone, recomputed)]
+        print(f"{scheme} document {d} ({len(doc)} tokens): max logit diff to the document alone {errs[0]:.1e}, to "
+              f"recomputation {errs[1]:.1e}; tokens {got_toks[d].tolist()}")
+        assert torch.equal(got_toks[d], alone[1][0]) and torch.equal(got_toks[d], recomputed[1][0])
+        assert max(errs) < 1e-10
+    for st in cache.stats():
+        assert st["kept"] <= st["bound"] and (scheme == "poslsh" or st["kept"] == 13)
+
+
+def test_packed_prefill_cache_refuses_mismatched_positionals():
+    model = scheme_model("alibi-window")
+    docs = [tokens(n, seed=n)[0] for n in (20, 5)]
+    cu = torch.tensor([0, 20, 25])
+    with torch.no_grad():
+        prefill = transformers.DynamicCache(config=model.config)
+        model(torch.cat(docs)[None], cache=prefill, use_cache=True, test_cu_seqlens=cu)
+    narrow = [make_window(poslsh.alibi_slopes(4), 1)] * 2
+    cache = hf_cache.packed_prefill_cache(model, prefill, narrow, cu_seqlens=cu, scheme="alibi-window")
+    with pytest.raises(ValueError, match="evicted its keys for other partitions / another window") as e:
+        with torch.no_grad():
+            model(torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
+    print(one_line(e))
+    with pytest.raises(ValueError, match="2 layers of keys and 1 positional objects") as e:
+        hf_cache.packed_prefill_cache(model, prefill, narrow[:1], cu_seqlens=cu, scheme="alibi-window")
+    with pytest.raises(ValueError, match="serves attn_implementation") as e:
+        hf_cache.PoslshCache(model)                      # the test implementation is no cache scheme
+    print(one_line(e))
