@@ -37,9 +37,9 @@ layer has fixed partitions seeded by ``(eval_seed, layer)``. They are drawn by
 Masks: no mask, causal right or left padding and packed batches (``position_ids`` that restart,
 or ``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``) run the near-linear ops; any other
 mask is applied exactly by a dense ``O(nq * nk)`` path with one warning per model that names it.
-Exact ALiBi (``"alibi"``) is dense like stock ``sdpa``; its packed documents run
-:func:`poslsh.windowed_alibi_attention` at a window ``>= n`` (exact ALiBi). Attention dropout and
-logit softcapping raise.
+Exact ALiBi (``"alibi"``) is dense like stock ``sdpa``, packed documents included
+(:func:`poslsh.reference.alibi_attention` with their ids). Attention dropout and logit
+softcapping raise.
 
 Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks model built, converted or
 loaded here uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
@@ -60,13 +60,13 @@ from torch import Tensor
 
 from ..alibi import alibi_slopes
 from ..attention import poslsh_attention, windowed_alibi_attention
-from ..reference import dense_attention
+from ..reference import alibi_attention, dense_attention
 from . import hf_cache
 from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
 from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
                          positional_config, register_rope_type)
-from .hf_masks import (allowed_mask, dense_cause, lazy_causal_mask, packed_documents, padded_self_attention,
-                       span_rows, window_mask)
+from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
+                       padded_self_attention, span_rows, window_mask)
 from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_state, layer_window
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
@@ -141,12 +141,15 @@ def _fast(attend, query, key, value, allowed, causal: bool, window: Optional[int
     B, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     if window is not None:
         return None
-    docs = packed_documents(allowed, kwargs, B, nq, nk, causal)
+    docs = packed_documents(allowed, kwargs, B, nq, nk)
     if docs is not None:
         return attend(query, key, value, **docs)
     if nq != nk:
         return None
-    return padded_self_attention(attend, query, key, value, allowed, causal)
+    out = padded_self_attention(attend, query, key, value, allowed, causal)
+    if out is None and allowed is not None and (ids := documents_from_mask(allowed, causal)) is not None:
+        out = attend(query, key, value, document_ids=ids)
+    return out
 
 
 def _block_attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None,
@@ -224,7 +227,7 @@ def _exact_alibi_prologue(scheme: str, module, query, key, value, dropout, kwarg
 def alibi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function for ``attn_implementation="alibi"``: exact ALiBi with
     slopes for the model's number of query heads (dense ``O(n^2)``, like stock ``sdpa``; packed
-    documents through :func:`poslsh.windowed_alibi_attention` at a window of ``n``)."""
+    documents by :func:`poslsh.reference.alibi_attention` with their ``document_ids``)."""
     query, key, value = _exact_alibi_prologue("alibi", module, query, key, value, dropout, kwargs)
     B, H, nq, d = query.shape
     nk = key.shape[2]
@@ -232,10 +235,9 @@ def alibi_attention_forward(module, query, key, value, attention_mask, scaling=N
     causal = _causal(module, kwargs)
     allowed, window = allowed_mask(attention_mask), _sliding(kwargs, nk)
     with _no_autocast(query.device):
-        docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk, causal)
-        if docs is not None:    # a window >= n keeps every key of a document: exact ALiBi
-            out = windowed_alibi_attention(query, key, value, alibi_slopes(H), window=nk, causal=causal,
-                                           scale=scaling, backend=positional_config(module.config).backend, **docs)
+        docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk)
+        if docs is not None:    # exact ALiBi inside every document, dense like the rest of this scheme
+            out = alibi_attention(query, key, value, alibi_slopes(H), causal=causal, scale=scaling, **docs)
         else:
             bias = layer_alibi_bias(module, H, nq, nk, query.device, _bias_dtype(query))
             out = _dense(query, key, value, allowed, bias, scaling, causal, window)

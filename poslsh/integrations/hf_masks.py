@@ -195,14 +195,13 @@ def _starts_of_offsets(cu: Tensor, n: int) -> Tensor:
     return starts
 
 
-def packed_documents(allowed: Optional[Tensor], kwargs: dict, batch: int, nq: int, nk: int,
-                     causal: bool) -> Optional[dict]:
+def packed_documents(allowed: Optional[Tensor], kwargs: dict, batch: int, nq: int, nk: int) -> Optional[dict]:
     """The packed documents of a self-attention call as ``poslsh_attention`` keyword arguments
     (``{"cu_seqlens": ...}`` or ``{"document_ids": ...}``), or None when it is not packed.
 
-    Read from, in order: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keyword arguments
-    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), ``position_ids`` that
-    restart when there is no mask, or a 4-D mask that is exactly block-diagonal causal.
+    Read from the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keyword arguments
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or from ``position_ids``
+    that restart when there is no mask (a 4-D mask: :func:`documents_from_mask`).
     Contradictory descriptions raise one line."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
@@ -222,12 +221,9 @@ def packed_documents(allowed: Optional[Tensor], kwargs: dict, batch: int, nq: in
             if batch != 1 or not torch.equal(starts.cpu(), _starts_of_offsets(cu_q, nq)):
                 raise ValueError("cu_seq_lens_q and position_ids describe different packed documents")
         return {"cu_seqlens": cu_q}
-    if nq != nk:
+    if nq != nk or allowed is not None:
         return None
-    if allowed is None:
-        ids = documents_from_positions(position_ids, batch, nq)
-    else:
-        ids = documents_from_mask(allowed, causal)
+    ids = documents_from_positions(position_ids, batch, nq)
     return None if ids is None else {"document_ids": ids}
 
 
