@@ -215,8 +215,10 @@ def _exact_alibi_prologue(scheme: str, module, query, key, value, dropout, kwarg
     """What the two exact-ALiBi functions share: refuse what they cannot serve, one dtype."""
     kwargs.pop(STEP_KWARG, None)
     if kwargs.pop(CONTEXT_KWARG, None) is not None:
-        raise ValueError(f"poslsh_context: {scheme} attention cannot run context-parallel here; use the poslsh or "
-                         "fixed_blocks implementation")
+        why = ("every query sees every earlier key" if scheme == "alibi" else
+               "the sharded op serves positional LSH only for now")
+        raise ValueError(f"poslsh_context: exact ALiBi cannot run context-parallel ({scheme}: {why}); use the poslsh "
+                         "or fixed_blocks implementation")
     if kwargs.pop(CACHE_KWARG, None) is not None:
         raise ValueError(f"cache: a PoslshCache serves poslsh/fixed_blocks attention but this model runs {scheme}; "
                          "use transformers' DynamicCache")
