@@ -11,7 +11,7 @@ from poslsh import partitions as partitions_mod  # noqa: E402
 from poslsh import reference  # noqa: E402
 from poslsh.alibi import make_window  # noqa: E402
 from poslsh.decoding import attend  # noqa: E402
-from poslsh.integrations import hf, hf_cache  # noqa: E402
+from poslsh.integrations import hf, hf_cache, hf_masks  # noqa: E402
 from poslsh.integrations.hf_convert import attention_modules  # noqa: E402
 
 SCHEMES = ["poslsh", "fixed_blocks"]
@@ -255,7 +255,7 @@ def _test_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer, cu = kwargs.pop(hf_cache.CACHE_KWARG, None), kwargs.get("test_cu_seqlens")
     steps = WINDOW_AND_DOCUMENTS_BACKEND if scheme == "alibi-window" else "torch"
     if layer is not None:
-        out = hf_cache.attend(layer, module, scheme, query, key, value, hf._allowed(attention_mask),
+        out = hf_cache.attend(layer, module, scheme, query, key, value, hf_masks.allowed_mask(attention_mask),
                               layer_positional(module, H), scaling, steps, kwargs.get("position_ids"))
     else:
         assert query.shape[0] == 1 and query.shape[2] == key.shape[2], "one unpadded sequence or packed row"

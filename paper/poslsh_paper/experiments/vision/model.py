@@ -25,9 +25,9 @@ from torch import Tensor, nn
 
 from poslsh.alibi import alibi_bias
 from poslsh.attention_nd import poslsh_attention_2d
-from poslsh.partitions_nd import PartitionsND, grid_coords, sample_partitions_nd
+from poslsh.modules import PartitionSchedule
+from poslsh.partitions_nd import PartitionsND, grid_coords
 from poslsh.reference import alibi_bias_nd
-from poslsh.seeding import stable_seed
 from poslsh_paper.experiments.vision.config import Method, ViTConfig, head_sigmas
 
 __all__ = ["ViT", "Attention", "TRAIN_GRID"]
@@ -53,23 +53,24 @@ class Attention(nn.Module):
         self.sigma_mult = 1.0         # evaluation at k x resolution with distances in training patches: k
         self.recorded: Optional[Tuple[Tensor, Tensor, Tensor]] = None
         self._bias: Dict[Tuple[int, int], Tensor] = {}
-        self._eval_parts: Dict[int, PartitionsND] = {}
 
     def partitions(self, step: Optional[int]) -> PartitionsND:
+        """The boxes of the next call, on the layer's device: :class:`poslsh.PartitionSchedule`'s rule
+        (fresh per (seed, step, layer) in training, fixed per (eval_seed, layer) in evaluation; seeds
+        tagged ``"vision-"``), at ``sigma * sigma_mult`` in evaluation."""
         if self.method.kind == "fixed-boxes":
             side = max(1, round(self.fixed_box * self.sigma_mult))
             return PartitionsND.fixed_boxes(self.heads, (side, side))
-        if self.training:
-            if step is None:
-                raise ValueError("PosLSH training needs the step (model(images, step=t)) to draw its boxes")
-            seed = stable_seed("vision-train", self.seed, step, self.layer)
-            return sample_partitions_nd(self.sigma.cpu(), self.method.num_samples, seed=seed)
-        key = (self.eval_seed, self.sigma_mult)
-        if key not in self._eval_parts:
-            seed = stable_seed("vision-eval", self.eval_seed, self.layer)
-            sigma = self.sigma.cpu().double() * self.sigma_mult
-            self._eval_parts = {key: sample_partitions_nd(sigma, self.method.num_samples, seed=seed)}
-        return self._eval_parts[key]
+        if self.training and step is None:
+            raise ValueError("PosLSH training needs the step (model(images, step=t)) to draw its boxes")
+        mult = self.sigma_mult if not self.training else 1.0   # training draws at the trained sigma
+        key = (self.seed, self.eval_seed, mult, self.method.num_samples)
+        schedules = self.__dict__.setdefault("_schedules", {})     # one schedule per (seeds, sigma multiple)
+        if key not in schedules:
+            schedules[key] = PartitionSchedule(self.sigma.detach().cpu().double() * mult, self.method.num_samples,
+                                               layer=self.layer, seed=self.seed, eval_seed=self.eval_seed, dims=2,
+                                               tag="vision-")
+        return schedules[key].partitions(self.training, step, self.sigma.device)
 
     def bias(self, grid: Tuple[int, int], device) -> Tensor:
         """The exact dense bias ``[H, n, n]`` of the ALiBi methods, cached per grid."""
