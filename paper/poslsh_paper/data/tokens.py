@@ -55,6 +55,12 @@ class DataConfig:
     synthetic_docs: int = 400               # size of the synthetic corpus
 
 
+def _say(message: str) -> None:
+    """One line on stderr before work that takes a while the first time (later runs read the cache)."""
+    import sys
+    print(message, file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------ tokenizers
 @dataclass
 class Tokenizer:
@@ -120,6 +126,8 @@ def load_tokenizer(cfg: DataConfig, cache_dir: Optional[Path] = None,
         path = cache_dir / "tokenizers" / f"bpe{vocab}-{key}.json"
         from tokenizers import Tokenizer as HFTokenizer
         if not path.exists():
+            _say(f"training the {spec} tokenizer on the training split of {', '.join(cfg.corpora)} once "
+                 f"(cached in {path.parent})")
             splits = splits or _split(cfg)
             backend = train_bpe_tokenizer((d.text for d in splits["train"]), vocab)
             atomic_write_bytes(path, backend.to_str().encode())
@@ -210,6 +218,7 @@ def load_token_data(cfg: DataConfig, cache_dir: Optional[Path] = None) -> TokenD
     key = _sha(["tokens", FORMAT_VERSION, tok.name, _corpus_listing(cfg), asdict(cfg)])[:20]
     out = cache_dir / "tokens" / key
     if not (out / "meta.json").exists():
+        _say(f"tokenizing {', '.join(cfg.corpora)} with {cfg.tokenizer} once (cached in {out})")
         splits = _split(cfg)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))

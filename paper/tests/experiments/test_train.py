@@ -100,15 +100,16 @@ def test_presets_are_deep_copies():
 
 
 def test_cli_overrides_and_set():
-    train_cmd = {c.name: c for c in COMMANDS}["train"]
+    train_cmd, table_cmd = {c.name: c for c in COMMANDS}["train"], {c.name: c for c in COMMANDS}["table"]
     cfg = parse(train_cmd, ["--set", "steps=5", "--set", "model.hidden_size=48", "--set", "data.corpora=synthetic",
-                            "--set", "methods=alibi,poslsh-s5", "--set", "data.max_train_docs=None"])
-    assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora, cfg.methods) == (5, 48, ("synthetic",),
-                                                                                 ("alibi", "poslsh-s5"))
+                            "--set", "data.max_train_docs=None"])
+    assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora) == (5, 48, ("synthetic",))
     assert cfg.preset == "smoke" and cfg.data.max_train_docs is None and cfg.resume is False
     same = parse(train_cmd, ["--steps", "5", "--model.hidden-size", "48", "--data.corpora", "synthetic",
-                             "--methods", "alibi", "poslsh-s5", "--data.max-train-docs", "None"])
+                             "--data.max-train-docs", "None"])
     assert same == cfg
+    tab = parse(table_cmd, ["--set", "methods=alibi,poslsh-s5"])
+    assert tab.methods == ("alibi", "poslsh-s5") == parse(table_cmd, ["--methods", "alibi", "poslsh-s5"]).methods
     cfg = parse(train_cmd, ["--preset", "cpu", "--method", "alibi", "--seed", "2", "--resume", "--no-progress"])
     assert (cfg.preset, cfg.method, cfg.seed, cfg.resume, cfg.progress, cfg.steps) == ("cpu", "alibi", 2, True,
                                                                                        False, 2800)
