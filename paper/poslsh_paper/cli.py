@@ -92,7 +92,10 @@ def common_help(cmd: Command) -> str:
              ("--debug", "show the traceback of an error")]
     lines = [f"common flags of `poslsh {cmd.name}`:"]
     for flag, text in rows:
-        lines += _wrap(text, " " * 24, f"  {flag:<21} " if len(flag) < 22 else f"  {flag} ")
+        if len(flag) < 22:
+            lines += _wrap(text, " " * 24, f"  {flag:<21} ")
+        else:       # a long flag (the preset names) on its own line
+            lines += [f"  {flag}"] + _wrap(text, " " * 24)
     return "\n".join(lines)
 
 

@@ -82,8 +82,9 @@ def _from_run(path: str):
     """(model, HF tokenizer) of a training run's checkpoint."""
     from transformers import PreTrainedTokenizerFast
 
-    from poslsh_paper.experiments.lm.config import check
+    from poslsh_paper.experiments.lm.config import parse_method
     from poslsh_paper.experiments.lm.model import trainable_parameters
+    from poslsh_paper.experiments.paths import check_name
 
     from poslsh_paper.data.tokens import load_tokenizer
     from poslsh_paper.experiments.lm.checkpoint import load_strict, resolve_checkpoint
@@ -99,7 +100,8 @@ def _from_run(path: str):
         cfg = config_from_dict(TrainConfig, json.loads((run / "config.json").read_text()))
     except (ValueError, ConfigError) as e:
         raise ConfigError(f"--checkpoint: {run / 'config.json'} is not a run's config ({e})") from None
-    check(cfg, data=False)          # a recorded name is checked like a typed one
+    check_name("preset", cfg.preset)      # a recorded name is checked like a typed one
+    parse_method(cfg.method)
     tok = load_tokenizer(cfg.data, cfg.cache_dir or None)
     model = build_model(cfg, tok.vocab_size, tok.separator_id)
     load_strict(ckpt, trainable_parameters(model), cfg)

@@ -121,3 +121,25 @@ def test_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint(tmp_path, mo
     assert latest_checkpoint(run) == run / "checkpoints" / "step-00000003"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000003"
     assert not (run / "result.json").exists()
+
+
+def test_a_foreign_checkpoint_is_moved_aside_on_resume(tmp_path, capsys):
+    """A complete checkpoint whose state.json records another configuration than the run's (copied
+    in from elsewhere) is neither resumed nor deleted."""
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=6, ckpt_interval=3, keep_checkpoints=2)
+    train(cfg, progress=False, evaluate=False)
+    run = run_dir(cfg)
+    (run / "result.json").unlink()
+    newest = run / "checkpoints" / "step-00000006"
+    state = json.loads((newest / "state.json").read_text())
+    state["config"]["lr"] = 0.5
+    (newest / "state.json").write_text(json.dumps(state))
+    ckmod._write_manifest(newest)                                     # complete, but foreign
+    capsys.readouterr()
+    train(cfg, resume=True, progress=False, evaluate=False)
+    err = capsys.readouterr().err
+    print(err)
+    kept = run / "checkpoints" / "foreign" / "step-00000006"
+    assert f"moved foreign checkpoint {newest}" in err and "lr 0.5" in err and "from step 3" in err
+    assert json.loads((kept / "state.json").read_text())["config"]["lr"] == 0.5
+    assert checkpoint_problem(newest) is None                          # written again by this run

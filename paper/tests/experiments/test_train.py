@@ -53,7 +53,8 @@ def cli(cfg, *extra, env=None, launcher=(sys.executable,)):
     cmd = [*launcher, "-m", "poslsh_paper", "train", "--config-json", str(request), "--no-progress"]
     path = os.pathsep.join(p for p in (str(REPO), str(REPO / "paper"), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
-    return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    # generous: a hang fails, a loaded machine does not
+    return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1800)
 
 
 def final_params(cfg):

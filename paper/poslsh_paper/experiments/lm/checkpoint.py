@@ -14,7 +14,8 @@ before retention may delete an older one (never a newer one). Resuming takes the
 complete checkpoint and says which. A checkpoint of the older layout (the same files, no
 manifest: written by an earlier version) is adopted on resume once its files load (a manifest
 is written for it). Damaged ones (a size or hash that differs, a missing file) are moved to
-``checkpoints/damaged/`` and reported by path, never deleted. A full disk while writing
+``checkpoints/damaged/`` and reported by path, never deleted; so are foreign ones (complete, but
+recorded under another configuration than the run's), into ``checkpoints/foreign/``. A full disk while writing
 removes the temp directory and raises :class:`~poslsh_paper.experiments.command.DiskFull`.
 Loading is strict: every trainable tensor by name and shape, or one line saying what differs.
 """
@@ -39,11 +40,12 @@ from poslsh_paper.experiments.paths import disk_full_error, is_disk_full, move_a
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_checkpoint_params", "load_strict",
            "resolve_checkpoint", "checkpoint_problem", "prepare_resume", "recorded_config", "run_lock", "MANIFEST",
-           "DAMAGED"]
+           "DAMAGED", "FOREIGN"]
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
 DAMAGED = "damaged"          # checkpoints/damaged/: what resume set aside, kept for the user
+FOREIGN = "foreign"          # checkpoints/foreign/: complete, but written under another configuration
 
 Named = List[Tuple[str, torch.Tensor]]   # [(name, parameter)] of the trainable parameters
 
@@ -150,13 +152,19 @@ def _adopt_older(directory: Path) -> Optional[str]:
     return None
 
 
-def prepare_resume(run: Path) -> List[str]:
-    """Before resuming ``run``: adopt its older-layout checkpoints (:func:`_adopt_older`) and move
-    damaged ones to ``checkpoints/damaged/``; returns one line per thing done (to print)."""
+def prepare_resume(run: Path, cfg=None) -> List[str]:
+    """Before resuming ``run``: adopt its older-layout checkpoints (:func:`_adopt_older`), move
+    damaged ones to ``checkpoints/damaged/`` and (given the run's ``TrainConfig`` ``cfg``) foreign
+    ones, whose ``state.json`` records another configuration, to ``checkpoints/foreign/``;
+    returns one line per thing done (to print)."""
     said = []
     for path in _step_dirs(run):
         problem = checkpoint_problem(path)
         if problem is None:
+            foreign = _foreign(path, cfg)
+            if foreign:
+                kept = move_aside(path, Path(run) / "checkpoints" / FOREIGN)
+                said.append(f"moved foreign checkpoint {path} (written with {foreign}) to {kept}")
             continue
         if not (path / MANIFEST).exists():
             why = _adopt_older(path)
@@ -168,6 +176,21 @@ def prepare_resume(run: Path) -> List[str]:
         kept = move_aside(path, Path(run) / "checkpoints" / DAMAGED)
         said.append(f"moved damaged checkpoint {path} ({problem}) to {kept}")
     return said
+
+
+def _foreign(path: Path, cfg) -> str:
+    """How the configuration recorded in checkpoint ``path`` differs from ``cfg`` ('' if it does not,
+    or when either is unknown)."""
+    if cfg is None:
+        return ""
+    from poslsh_paper.experiments.lm.config import config_differences, describe_differences
+
+    try:
+        recorded = json.loads((path / "state.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return ""
+    diff = config_differences(cfg, recorded) if isinstance(recorded, dict) else {}
+    return describe_differences({k: (b, a) for k, (a, b) in diff.items()}, "run:")
 
 
 def save_checkpoint(run: Path, step: int, params: Named, optimizer, info: dict, keep: int) -> Path:

@@ -108,9 +108,9 @@ def start_run(cfg: TrainConfig, params, optimizer, dist: Dist, resume: bool, ove
     state = RunState()
     exists = _has_run(out_dir)
     if resume:
+        _check_recorded(cfg, out_dir)         # read-only: every rank refuses alike, none waits on a barrier
         if dist.main:
-            _check_recorded(cfg, out_dir)
-            for line in prepare_resume(out_dir):
+            for line in prepare_resume(out_dir, cfg):
                 print(line, file=sys.stderr)
         dist.barrier()
         ckpt = latest_checkpoint(out_dir)

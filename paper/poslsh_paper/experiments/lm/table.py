@@ -136,6 +136,11 @@ def table_dir(out: Path, preset: str) -> Path:
     return inside(out, Path(out) / check_name("preset", preset), "out")
 
 
+def _vs_table(diff: dict) -> str:
+    """``steps 4 (table: 3)``: the run's value first, then the table's."""
+    return describe_differences({k: (b, a) for k, (a, b) in diff.items()}, "table:")
+
+
 def _read_json(path: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
@@ -189,7 +194,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
         diff = config_differences(r, recorded) if recorded is not None else {}
         if diff:
             todo.remove(r)
-            others.append(f"{run_dir(r)}: unfinished, started with {describe_differences({k: (b, a) for k, (a, b) in diff.items()}, 'table:')}")
+            others.append(f"{run_dir(r)}: unfinished, started with {_vs_table(diff)}")
     if train_missing and todo:
         if jobs > 1:
             train_parallel(todo, jobs)
@@ -205,7 +210,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
         result = json.loads(path.read_text())
         diff = config_differences(r, result.get("config") or {})
         if diff or not result.get("config"):
-            others.append(f"{path}: trained with {describe_differences({k: (b, a) for k, (a, b) in diff.items()}, 'table:') or 'no recorded config'}")
+            others.append(f"{path}: trained with {_vs_table(diff) or 'no recorded config'}")
         else:
             results.append(result)
     if others and int(os.environ.get("RANK", "0")) == 0:
