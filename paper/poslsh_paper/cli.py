@@ -189,13 +189,16 @@ def parse_given(cmd: Command, args: Sequence[str]):
     import tyro
 
     args = _sets_to_flags(list(args))
-    if "--quick" in args:
-        args = [a for a in args if a != "--quick"]
+    quick = "--quick" in args
+    args = [a for a in args if a != "--quick"]
+    preset = _take(args, "--preset")
+    if quick:
         if cmd.quick is None:
             raise ConfigError(f"--quick: `poslsh {cmd.name}` has no quick preset (presets: "
                               f"{', '.join(cmd.presets)})")
-        args += ["--preset", cmd.quick]
-    preset = _take(args, "--preset")
+        if preset not in (None, cmd.quick):
+            raise ConfigError(f"--quick is --preset {cmd.quick}: pass one of --quick and --preset {preset}")
+        preset = cmd.quick
     config_json = _take(args, "--config-json")
     helping = "-h" in args or "--help" in args
     for flag, name in _flag_fields(args):

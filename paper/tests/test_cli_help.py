@@ -81,6 +81,9 @@ def test_quick_without_a_quick_preset_is_one_line(capsys):
     assert main(["theory", "--quick"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--quick" in err[0]
+    assert main(["train", "--quick", "--preset", "cpu"]) == 2          # not one silently winning
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--quick" in err[0] and "cpu" in err[0]
 
 
 @pytest.mark.parametrize("name,old,new,field,value", [

@@ -54,8 +54,11 @@ def test_checkpoint_without_manifest_is_incomplete(tmp_path):
     ck = run_dir(cfg) / "checkpoints" / "step-00000003"
     (ck / "manifest.json").unlink()
     assert "no manifest.json" in checkpoint_problem(ck)
+    from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params
+    with pytest.raises(ConfigError, match="older layout.*--resume"):       # the files are there: adoptable
+        load_checkpoint_params(ck)
+    (ck / "optimizer.safetensors").unlink()
     with pytest.raises(ConfigError, match="is damaged"):
-        from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params
         load_checkpoint_params(ck)
 
 

@@ -392,3 +392,24 @@ def test_smoke_lora_with_smollm2(tmp_path):
         ppl[method] = train(cfg, progress=False)["eval"]["1x"]["ppl"]
     assert ppl["original"] < 100                   # the pretrained model, LoRA-tuned with its RoPE
     assert ppl["original"] < ppl["alibi"] < 1e5    # RoPE swapped for ALiBi: far worse until fine-tuned
+
+
+def test_building_a_lora_model_prints_no_library_notice(tmp_path, recwarn):
+    """peft's renamed-API FutureWarning from transformers is silenced where we call peft (only
+    that one), and transformers' loading bar is off while we load the base."""
+    import warnings
+
+    import transformers
+    from poslsh_paper.experiments.lm.model import build_model
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256)).save_pretrained(tmp_path / "base")
+    cfg = tiny_cfg(tmp_path, method="alibi", model=dict(kind="lora", base=str(tmp_path / "base")))
+    warnings.simplefilter("always")
+    build_model(cfg, 300)
+    notices = [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)]
+    print(notices)
+    assert not [m for m in notices if "is_gradient_checkpointing" in m]
+    from transformers.utils import logging as hf_logging
+    assert hf_logging.is_progress_bar_enabled()              # restored after the load

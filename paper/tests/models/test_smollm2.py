@@ -209,3 +209,11 @@ def test_real_smollm2():
     r = qkv_mod.real_qkv_or_none(n=256, layer=2, heads=[8, 7])
     assert r is not None and r.q.shape == (1, 2, 256, 64) and r.k.shape == (1, 2, 256, 64)
     assert r.sigmas.tolist() == pytest.approx([2 ** 0.5, 256.0])
+
+
+def test_quiet_loading_turns_the_progress_bar_off_and_back_on():
+    from transformers.utils import logging as hf_logging
+    assert hf_logging.is_progress_bar_enabled()
+    with smollm2.quiet_loading():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()

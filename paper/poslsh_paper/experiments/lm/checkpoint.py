@@ -312,6 +312,11 @@ def load_checkpoint_params(path) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     problem = checkpoint_problem(path)
+    if problem is not None and not (Path(path) / MANIFEST).exists() and all((Path(path) / f).is_file() for f in FILES):
+        run = Path(path).parent.parent
+        raise ConfigError(f"checkpoint {path} has the older layout (no {MANIFEST}): `poslsh train --config-json "
+                          f"{run / 'config.json'} --resume` verifies and adopts it (a finished run is only "
+                          "evaluated again)")
     if problem is not None:
         raise ConfigError(f"checkpoint {path} is damaged: {problem}")
     return load_file(str(Path(path) / "model.safetensors"))

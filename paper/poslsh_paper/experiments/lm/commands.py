@@ -51,6 +51,10 @@ def resume_config(cfg: TrainConfig, given=frozenset()) -> TrainConfig:
     if recorded is None:
         return cfg
     diff = config_differences(cfg, recorded)
+    where = {k: v for k, v in diff.items() if k in ("preset", "method", "seed")}
+    if where:       # the record names another run than the directory it lies in: nothing to continue
+        raise ConfigError(f"--resume: {run / 'config.json'} records another run "
+                          f"({describe_differences(where, 'recorded')}); move that file away or pass --overwrite")
     flags = {k: v for k, v in diff.items() if k in given}
     if flags:
         raise ConfigError(f"--resume continues the run {run} as recorded in its config.json; these flags differ "
