@@ -18,6 +18,9 @@ setup: $(STAMP)
 
 demo: setup
 	$(VENV)/bin/poslsh demo
+	@echo ""
+	@echo "The poslsh command is installed in $(VENV): run it as $(VENV)/bin/poslsh, or put it on"
+	@echo "your PATH for this shell with: source $(VENV)/bin/activate   (then: poslsh --help)"
 
 test: setup
 	$(PY) -m pytest -q

@@ -46,13 +46,19 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class DataConfig:
-    corpora: Tuple[str, ...] = ("linux-doc", "python-doc")  # or ("synthetic",): offline test text
-    tokenizer: str = "bpe:4096"
-    max_train_docs: Optional[int] = None    # first N documents of each split (smoke runs)
-    max_eval_docs: Optional[int] = None
-    validation: float = 0.02
-    test: float = 0.02
-    synthetic_docs: int = 400               # size of the synthetic corpus
+    corpora: Tuple[str, ...] = ("linux-doc", "python-doc")  # Debian doc corpora, or synthetic (generated text, offline)
+    tokenizer: str = "bpe:4096"             # bpe:<vocab> (trained on the train split), smollm2, or a tokenizer path
+    max_train_docs: Optional[int] = None    # first N documents of the train split (None: all)
+    max_eval_docs: Optional[int] = None     # first N documents of the validation and test splits (None: all)
+    validation: float = 0.02                # fraction of the documents in the validation split
+    test: float = 0.02                      # fraction of the documents in the test split
+    synthetic_docs: int = 400               # documents of the synthetic corpus
+
+
+def _say(message: str) -> None:
+    """One line on stderr before work that takes a while the first time (later runs read the cache)."""
+    import sys
+    print(message, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ tokenizers
@@ -120,6 +126,8 @@ def load_tokenizer(cfg: DataConfig, cache_dir: Optional[Path] = None,
         path = cache_dir / "tokenizers" / f"bpe{vocab}-{key}.json"
         from tokenizers import Tokenizer as HFTokenizer
         if not path.exists():
+            _say(f"training the {spec} tokenizer on the training split of {', '.join(cfg.corpora)} once "
+                 f"(cached in {path.parent})")
             splits = splits or _split(cfg)
             backend = train_bpe_tokenizer((d.text for d in splits["train"]), vocab)
             atomic_write_bytes(path, backend.to_str().encode())
@@ -210,16 +218,21 @@ def load_token_data(cfg: DataConfig, cache_dir: Optional[Path] = None) -> TokenD
     key = _sha(["tokens", FORMAT_VERSION, tok.name, _corpus_listing(cfg), asdict(cfg)])[:20]
     out = cache_dir / "tokens" / key
     if not (out / "meta.json").exists():
+        _say(f"tokenizing {', '.join(cfg.corpora)} with {cfg.tokenizer} once (cached in {out})")
         splits = _split(cfg)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
         meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "separator_id": tok.separator_id,
                 "data_config": asdict(cfg), "format": FORMAT_VERSION, "splits": {}}
-        for name in SPLITS:
-            arr = _encode_split(tok, splits[name])
-            np.save(tmp / f"{name}.npy", arr)
-            meta["splits"][name] = {"documents": len(splits[name]), "tokens": int(arr.size)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            for name in SPLITS:
+                arr = _encode_split(tok, splits[name])
+                np.save(tmp / f"{name}.npy", arr)
+                meta["splits"][name] = {"documents": len(splits[name]), "tokens": int(arr.size)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        except BaseException:      # a full disk, Ctrl-C: no half-written temp directory stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             os.replace(tmp, out)   # atomic publish; a concurrent builder may have won
         except OSError:

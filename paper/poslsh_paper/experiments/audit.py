@@ -44,77 +44,28 @@ import dataclasses
 import json
 import math
 import sys
+import textwrap
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from poslsh import theory
 from poslsh.alibi import alibi_sigmas
-from poslsh_paper.analysis.records import FIT_MIN_S, default_heads, fit_slope, mask_records, sampler_draws
+from poslsh_paper.analysis.records import default_heads, fit_slope, mask_records, sampler_draws
 from poslsh_paper.io import atomic_write_text, csv_text
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.audit_output import allowed_violations, c3_constant, output_checks, output_trials, units
-from poslsh_paper.experiments.audit_table import (AUTO_ROWS, TABLE_FIELDS, format_table, read_convergence_rows, reused_source, skipped_row,
-                          summary_line, table_row)
-from poslsh_paper.experiments.command import Command, ConfigError
-from poslsh_paper.experiments.model_inputs import (InputsNotAvailable, ModelInputs, check_out_dir, check_samplers, is_reference,
-                           missing_prerequisites)
+from poslsh_paper.experiments.audit_config import COMMANDS, PRESETS, AuditConfig, auto_rows
+from poslsh_paper.experiments.audit_table import (TABLE_FIELDS, format_table, format_report, read_convergence_rows,
+                                                  reused_source, skipped_row, summary_line, table_row)
+from poslsh_paper.experiments.model_inputs import InputsNotAvailable, is_reference, missing_prerequisites
 
 __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
-           "output_trials", "output_checks", "run", "write", "main", "format_table", "summary_line", "COMMANDS"]
-
-@dataclass
-class AuditConfig(ModelInputs):
-    delta: float = 0.05                                 # confidence: every check is at level 1 - delta
-    samplers: Tuple[str, ...] = ("iid", "grouped")      # each against its own bound (also grouped-k<k>, grouped-sqrt)
-    # matrix checks (no model needed)
-    num_heads: int = 9                                  # ALiBi slopes for this head count (SmolLM2: 9)
-    n_matrix: int = 1024                                # n for the matrix checks
-    trials: int = 60                                    # independent draws for the matrix checks
-    samples: Tuple[int, ...] = (1, 10, 100, 1000, 10000)  # s for the matrix checks
-    slope_tol: float = 0.1                              # accepted |slope + 1/2| for the spectral decay
-    fit_min_s: int = FIT_MIN_S                          # the slope is fitted on s >= this
-    # Theorem 2.2 on real Q/K/V
-    n_output: int = 2048                                # n for Theorem 2.2 on real Q/K/V
-    inputs: int = 8                                     # real inputs for Theorem 2.2
-    draws: int = 4                                      # independent draws per input
-    output_samples: Tuple[int, ...] = (100, 1000, 10000)  # s for Theorem 2.2
-    skip_output: bool = False                           # matrix checks only (no model needed)
-    # also audit a convergence run's rows.csv ('' skips; auto: outputs/convergence/rows.csv when there, else the
-    # committed results/convergence/rows.csv)
-    convergence_rows: str = "auto"
-    out: str = "outputs/audit"                          # output directory (results/audit: the reference)
-
-    def check(self) -> None:
-        self.check_inputs()
-        if not 0 < self.delta < 1:
-            raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
-        check_samplers(self.samplers)
-        for name in ("num_heads", "n_matrix", "trials", "n_output", "inputs", "draws"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        for name in ("samples", "output_samples"):
-            got = list(getattr(self, name))
-            if not got or min(got) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')}: give sample sizes >= 1, got {got}")
-        if self.heads is not None and max(self.heads) >= self.num_heads:
-            raise ConfigError(f"--heads: {list(self.heads)} out of range for --num-heads {self.num_heads}")
-        if self.convergence_rows not in ("", "auto") and not Path(self.convergence_rows).is_file():
-            raise ConfigError(f"--convergence-rows: no such file {self.convergence_rows} ('' to skip, auto to "
-                              f"use {' or '.join(AUTO_ROWS)} when there)")
-        check_out_dir("--out", self.out)
-
-
-PRESETS: Dict[str, AuditConfig] = {
-    "default": AuditConfig(),
-    "quick": AuditConfig(n_matrix=512, trials=20, samples=(1, 10, 100, 1000), n_output=1024, inputs=2, draws=2,
-                         output_samples=(100, 1000), out="outputs/audit/quick"),
-}
-
+           "output_trials", "output_checks", "run", "write", "main", "format_table", "format_report", "summary_line",
+           "COMMANDS"]
 
 # ============================================================ matrix checks
 def matrix_trials(cfg: AuditConfig, sigmas: Sequence[float], progress=None) -> List[dict]:
@@ -247,9 +198,9 @@ def _run(cfg: AuditConfig, log) -> dict:
 def _real_qkv_checks(cfg: AuditConfig, result: dict, log, tqdm) -> List[dict]:
     """Theorem 2.2 on Q/K/V computed by this run (or one SKIPPED row saying why not)."""
     check = "Thm 2.2 output bound"
-    log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.inputs} inputs x {cfg.draws} draws, "
+    log(f"audit: Theorem 2.2 on real Q/K/V, n={cfg.n_output}, {cfg.num_inputs} inputs x {cfg.draws} draws, "
         f"layers {list(cfg.layers)}, s {list(cfg.output_samples)}")
-    bar = tqdm(total=cfg.inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
+    bar = tqdm(total=cfg.num_inputs * cfg.draws, desc="audit: real Q/K/V", unit="draw", file=sys.stderr,
                mininterval=2.0)
     try:
         orows, meta = output_trials(cfg, progress=bar.update)
@@ -268,12 +219,11 @@ def _reused_checks(cfg: AuditConfig, result: dict, log) -> List[dict]:
     check = "Thm 2.2 output bound [convergence run]"
     if not cfg.convergence_rows:
         return [skipped_row(check, "not asked for (--convergence-rows '')")]
-    path = next((p for p in AUTO_ROWS if Path(p).is_file()), None) if cfg.convergence_rows == "auto" \
-        else cfg.convergence_rows
+    path = auto_rows() if cfg.convergence_rows == "auto" else cfg.convergence_rows
     got = read_convergence_rows(Path(path)) if path else None
     if got is None:
-        return [skipped_row(check, f"no convergence rows ({path or ' or '.join(AUTO_ROWS)} missing or empty): "
-                                "run `poslsh convergence` first")]
+        return [skipped_row(check, f"no convergence rows ({path or 'outputs/convergence/ and results/convergence/'}"
+                                   " missing or empty): run `poslsh convergence` first")]
     source = reused_source(path)
     log(f"audit: Theorem 2.2 on the rows of a convergence run {source}")
     crow, n_c = got
@@ -291,15 +241,17 @@ def write(result: dict, out) -> Path:
     return out
 
 
+def _say(line: str) -> None:
+    """Print ``line`` wrapped to 100 columns (continuation lines indented)."""
+    print("\n".join(textwrap.wrap(line, 100, subsequent_indent="    ", break_on_hyphens=False)))
+
+
 def main(cfg: AuditConfig) -> int:
-    """Run, write and print the table; exit code 1 when a check FAILs."""
-    result = run(cfg, log=print)
+    """Run, write and print the report (one block per check, <= 100 columns; the full table is
+    in audit.md / audit.csv); exit code 1 when a check FAILs."""
+    result = run(cfg, log=_say)
     out = write(result, cfg.out)
-    print(format_table(result["table"]))
+    print(format_report(result["table"]))
     ref = " (the committed reference results: review with git diff)" if is_reference(out) else ""
-    print(f"{summary_line(result)} ({result['timing']['total_s']:.0f} s) -> {out}{ref}")
+    _say(f"{summary_line(result)} ({result['timing']['total_s']:.0f} s) -> {out}{ref}")
     return 0 if result["passed"] else 1
-
-
-COMMANDS = [Command(name="audit", help="check the empirical errors against Theorems 2.1/2.2 (pass/fail table)",
-                    config=AuditConfig, presets=PRESETS, default_preset="default", main=main)]

@@ -59,7 +59,7 @@ def output_trials(cfg, progress=None) -> Tuple[List[dict], dict]:
     model, tok = load_model(cfg)
     hq = attention_geometry(model)[0]
     heads, sigmas = query_heads(cfg, hq)
-    segments = input_segments(cfg, tok, model.config.vocab_size, cfg.inputs, cfg.n_output)
+    segments = input_segments(cfg, tok, model.config.vocab_size, cfg.num_inputs, cfg.n_output)
     rows = []
     for i, seg in enumerate(segments):
         qkv = capture_qkv(model, seg.ids, cfg.layers, rope=cfg.rope)
@@ -135,7 +135,8 @@ def _output_checks(rows: List[dict], n: int, delta: float, label: str, source: s
         table.append(table_row(f"Thm 2.2 deterministic step{label}", subject,
                           f"max err/bound = {max(ratios):.3g}" if ratios else "never applicable",
                           "eqs. (8)-(14) with measured ||L*-M~||max", len(ratios), det_viol, 0, det_viol == 0,
-                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances", source))
+                          f"applicable (||L*-M~||max < beta*) in {len(ratios)}/{len(rs)} instances" if ratios else
+                          f"never applicable: ||L*-M~||max >= beta* in all {len(rs)} instances", source))
         details.append(dict(head=h, sigma=sigma, n=n, draws=D, C3=c3, C_quantile=q, C_max=float(cs.max()),
                             C_median=float(np.median(cs)), c3_violations=len(c3_viol_draws), allowed=allowed,
                             applicable=applicable, instances=len(rs), deterministic_violations=det_viol))

@@ -12,14 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Annotated, Dict, List, Optional, Tuple
 
-import torch
+import tyro
 
-from poslsh import theory
-from poslsh.alibi import alibi_sigmas
-from poslsh_paper.io import atomic_write_text, csv_text
-from poslsh.partitions import sample_partitions
 from poslsh_paper.experiments.command import Command, ConfigError
 from poslsh_paper.experiments.model_inputs import check_out_dir
 
@@ -30,12 +26,15 @@ __all__ = ["BoundsConfig", "BoundsResult", "PRESETS", "theory_rows", "run", "wri
 @dataclass
 class BoundsConfig:
     n: int = 4096                                   # sequence length
-    heads: int = 4                                  # use the ALiBi sigmas of this many heads
+    # use the ALiBi sigmas of this many heads
+    num_heads: Annotated[int, tyro.conf.arg(aliases=("--heads",))] = 4
     sigma: Optional[Tuple[float, ...]] = None       # explicit bandwidths instead of ALiBi's
-    s: Tuple[int, ...] = (1, 10, 100, 1000)         # sample sizes
+    # sample sizes s
+    samples: Annotated[Tuple[int, ...], tyro.conf.arg(aliases=("--s",))] = (1, 10, 100, 1000)
     delta: float = 0.05                             # failure probability
     eps: float = 0.05                               # target max-norm error for the sample count
-    C: float = 1.0                                  # universal constant of eqs. (1)-(2)
+    # universal constant C of eqs. (1)-(2)
+    bound_c: Annotated[float, tyro.conf.arg(aliases=("--C", "--bound-C"))] = 1.0
     measure: bool = False                           # also draw partitions and print realised norms
     seed: int = 0                                   # seed of the partitions drawn by --measure
     out: Optional[str] = None                       # also write the table to OUT/bounds.csv
@@ -43,16 +42,18 @@ class BoundsConfig:
     def check(self) -> None:
         if self.n < 1:
             raise ConfigError(f"--n: must be >= 1, got {self.n}")
-        if self.sigma is None and self.heads < 1:
-            raise ConfigError(f"--heads: must be >= 1, got {self.heads}")
+        if self.sigma is None and self.num_heads < 1:
+            raise ConfigError(f"--num-heads: must be >= 1, got {self.num_heads}")
         if self.sigma is not None and (not self.sigma or min(self.sigma) <= 0):
             raise ConfigError(f"--sigma: give one or more bandwidths > 0, got {list(self.sigma)}")
-        if not self.s or min(self.s) < 1:
-            raise ConfigError(f"--s: give sample sizes >= 1, got {list(self.s)}")
+        if not self.samples or min(self.samples) < 1:
+            raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
         if self.eps <= 0:
             raise ConfigError(f"--eps: must be > 0, got {self.eps}")
+        if not self.bound_c > 0:
+            raise ConfigError(f"--bound-c: must be > 0, got {self.bound_c}")
         if self.out is not None:
             check_out_dir("--out", self.out)
 
@@ -72,6 +73,8 @@ class BoundsResult:
 
 def theory_rows(n: int, sigmas: List[float], samples: List[int], delta: float, C: float) -> List[dict]:
     """The bounds of eqs. (1)-(4) for every (sigma, s)."""
+    from poslsh import theory
+
     rows = []
     for sigma in sigmas:
         for s in samples:
@@ -86,9 +89,15 @@ def theory_rows(n: int, sigmas: List[float], samples: List[int], delta: float, C
 
 
 def run(cfg: BoundsConfig) -> BoundsResult:
+    import torch
+
+    from poslsh import theory
+    from poslsh.alibi import alibi_sigmas
+    from poslsh.partitions import sample_partitions
+
     cfg.check()
-    sigmas = list(cfg.sigma) if cfg.sigma is not None else alibi_sigmas(cfg.heads).tolist()
-    rows = theory_rows(cfg.n, sigmas, list(cfg.s), cfg.delta, cfg.C)
+    sigmas = list(cfg.sigma) if cfg.sigma is not None else alibi_sigmas(cfg.num_heads).tolist()
+    rows = theory_rows(cfg.n, sigmas, list(cfg.samples), cfg.delta, cfg.bound_c)
     if cfg.measure:
         for row in rows:
             parts = sample_partitions(torch.tensor([row["sigma"]]), row["s"], seed=cfg.seed)
@@ -99,12 +108,14 @@ def run(cfg: BoundsConfig) -> BoundsResult:
 
 def write(result: BoundsResult, out) -> Path:
     """``bounds.csv`` (one row per (sigma, s)) under ``out``, atomically."""
+    from poslsh_paper.io import atomic_write_text, csv_text
+
     return atomic_write_text(Path(out) / "bounds.csv", csv_text(result.rows, FIELDS, float_format=".9g"))
 
 
 def format_table(result: BoundsResult) -> str:
     cfg = result.config
-    lines = [f"n={cfg.n}, delta={cfg.delta:g}, C={cfg.C:g} (the theorems' universal constant; "
+    lines = [f"n={cfg.n}, delta={cfg.delta:g}, C={cfg.bound_c:g} (the theorems' universal constant; "
              f"`poslsh audit` measures the smallest C that holds)",
              f"eq.(3): s >= log(2n^2/delta)/(2 eps^2) = {result.samples_for_eps} "
              f"samples give ||L*-M~||_max < {cfg.eps:g} with probability >= {1 - cfg.delta:g}", ""]
@@ -131,4 +142,5 @@ def main(cfg: BoundsConfig) -> int:
 
 
 COMMANDS = [Command(name="theory", help="bounds of Theorems 2.1/2.2 for given n, sigma, s, delta",
-                    config=BoundsConfig, presets=PRESETS, default_preset="default", main=main)]
+                    config=BoundsConfig, presets=PRESETS, default_preset="default", main=main,
+                    preset_help={"default": "n=4096, the 4 ALiBi sigmas of 4 heads, s in 1, 10, 100, 1000"})]

@@ -48,18 +48,15 @@ results are checkpointed in ``checkpoints/`` so an interrupted run resumes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
-import tyro
-
 from poslsh import theory
 from poslsh_paper.analysis.qkv import attention_geometry, capture_qkv
 from poslsh_paper.analysis.records import (FIT_MIN_S, ROW_FIELDS, cross_check, equivalent_samples, fit_slope, input_records,
@@ -67,58 +64,11 @@ from poslsh_paper.analysis.records import (FIT_MIN_S, ROW_FIELDS, cross_check, e
 from poslsh_paper.io import atomic_write_text, csv_text
 from poslsh.sampling import group_sizes, parse_sampler
 from poslsh.threads import intra_op_threads
-from poslsh_paper.experiments.command import Command, ConfigError
-from poslsh_paper.experiments.model_inputs import (ModelInputs, check_samplers, check_out_dir, check_prerequisites, input_segments, is_reference,
-                           load_model, query_heads)
+from poslsh_paper.experiments.convergence_config import COMMANDS, METRICS, PRESETS, VERSION, ConvergenceConfig
+from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, is_reference, load_model, query_heads
 
 __all__ = ["ConvergenceConfig", "ConvergenceResult", "PRESETS", "run", "write", "main", "summarize", "slopes",
            "bounds_table", "equivalence_table", "format_report", "COMMANDS"]
-
-VERSION = 3      # bump when the per-input computation changes (invalidates checkpoints); 2: blake2b draw seeds;
-                 # 3: samplers
-METRICS = ("spectral", "max", "t_err")
-
-
-@dataclass
-class ConvergenceConfig(ModelInputs):
-    n: int = 4096                                       # tokens per input
-    num_inputs: Annotated[int, tyro.conf.arg(aliases=("--inputs",))] = 30  # number of input segments
-    samples: Tuple[int, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10000)  # sample sizes s
-    samplers: Tuple[str, ...] = ("iid", "grouped")      # side by side (also stratified, grouped-k<size>, grouped-sqrt)
-    delta: float = 0.05                                 # confidence parameter of the eq. (3) curve
-    bound_c: Annotated[float, tyro.conf.arg(aliases=("--bound-C",))] = 1.0  # universal constant C drawn in eq. (1)
-    out: str = "outputs/convergence"                    # output directory (results/convergence: the reference)
-    resume: bool = True                                 # reuse matching checkpoints of a previous run
-    cross_check: bool = True                            # compare with the library on input 0
-    plot: bool = True                                   # draw convergence.png (else CSV/JSON only)
-
-    def fingerprint(self) -> str:
-        """What a checkpoint depends on: inputs, heads, draws and :data:`VERSION`."""
-        keys = dict(n=self.n, layers=list(self.layers), heads=None if self.heads is None else list(self.heads),
-                    samples=list(self.samples), samplers=list(self.samplers), seed=self.seed, rope=self.rope,
-                    model=self.model, corpora=list(self.corpora), inputs_from=self.inputs_from, version=VERSION)
-        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
-
-    def check(self) -> None:
-        self.check_inputs()
-        if self.n < 2:
-            raise ConfigError(f"--n: need at least 2 tokens per input, got {self.n}")
-        if self.num_inputs < 1:
-            raise ConfigError(f"--num-inputs: need at least one input, got {self.num_inputs}")
-        if not self.samples or min(self.samples) < 1:
-            raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
-        if not 0 < self.delta < 1:
-            raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
-        check_samplers(self.samplers)
-        check_out_dir("--out", self.out)
-
-
-PRESETS: Dict[str, ConvergenceConfig] = {
-    "default": ConvergenceConfig(),
-    "quick": ConvergenceConfig(n=1024, num_inputs=4, samples=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
-                               out="outputs/convergence/quick"),
-}
-
 
 @dataclass
 class ConvergenceResult:
@@ -376,8 +326,3 @@ def main(cfg: ConvergenceConfig) -> int:
     print(format_report(result.report))
     print(f"wrote {out}" + (" (the committed reference results: review with git diff)" if is_reference(out) else ""))
     return 0
-
-
-COMMANDS = [Command(name="convergence",
-                    help="norm convergence of ||L*-M~||, ||L*-M~||max, ||T*-T~||max vs s (paper Fig. 2)",
-                    config=ConvergenceConfig, presets=PRESETS, default_preset="default", main=main)]

@@ -15,8 +15,9 @@ too busy for any of these times to mean much (the process got far less CPU than
 wall-clock time, or the load average exceeded the CPU count).
 
 Outputs: ``outputs/demo/demo.json`` and ``figure1.png`` (git-ignored); the
-committed reference under ``results/demo/`` is rewritten only by ``--out-dir
-results/demo``, and only with SmolLM2 Q/K/V unless ``--qkv random`` says otherwise.
+committed reference under ``results/demo/`` is rewritten only by ``--out
+results/demo``, and only with SmolLM2 Q/K/V unless ``--qkv random`` says otherwise. The config
+and presets live in :mod:`poslsh_paper.experiments.demo_config` (``--help`` needs no torch).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,69 +39,15 @@ from poslsh_paper.io import atomic_write_json
 from poslsh.partitions import sample_partitions
 from poslsh.sampling import parse_sampler
 from poslsh_paper.timing import median_seconds
-from poslsh_paper.experiments.command import Command, ConfigError
-from poslsh_paper.experiments.model_inputs import ModelInputs, check_out_dir, check_samplers, is_reference, missing_prerequisites
+from poslsh_paper.experiments import demo_config
+from poslsh_paper.experiments.command import ConfigError
+from poslsh_paper.experiments.demo_config import COMMANDS, MODEL_HEADS, PRESETS, DemoConfig
+from poslsh_paper.experiments.model_inputs import is_reference
 
 __all__ = ["DemoConfig", "DemoRow", "DemoResult", "PRESETS", "Stopwatch", "crossover", "crossover_length",
            "busy_warning", "run", "write", "main", "format_table", "COMMANDS"]
 
 BUSY_CPU_PER_WALL = 0.8      # below this the timed calls got under 80% of even one core: others had the CPU
-
-
-@dataclass
-class DemoConfig:
-    n: int = 4096                       # sequence length
-    num_heads: int = 4                  # ALiBi heads (random Q/K/V; their sigmas)
-    head_dim: int = 64                  # head dimension of random Q/K/V
-    samples: Tuple[int, ...] = (1, 5, 10, 20, 100)  # sample sizes s
-    samplers: Tuple[str, ...] = ("iid", "grouped")  # side by side (also stratified, grouped-k<size>, grouped-sqrt)
-    delta: float = 0.05                 # confidence for the eq. (3) max-norm bound
-    C: float = 1.0                      # the universal constant of eq. (1), shown explicitly
-    seed: int = 0                       # seed of random Q/K/V and of the partition draws
-    qkv: Literal["auto", "random", "model"] = "auto"  # Q/K/V: SmolLM2 if installed (auto), random, or require it
-    out_dir: str = "outputs/demo"       # output directory (results/demo: the committed reference)
-    figure_head: int = 1                # head drawn in Figure 1 (sigma = 16 for 4 heads)
-    figure_window: int = 96             # positions shown in Figure 1
-    crossover_s: int = 10               # s at which the crossover length is searched (0: no search)
-    crossover_from: int = 256           # smallest n of the crossover search (doubling up to n, then 2n if needed)
-
-    def check(self) -> None:
-        """Every value, the output directory and (for --qkv model, or the committed
-        results/) the model and corpus: before any work."""
-        if self.n < 2:
-            raise ConfigError(f"--n: need a sequence length >= 2, got {self.n}")
-        for name in ("num_heads", "head_dim", "figure_window", "crossover_from"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        if not self.samples or min(self.samples) < 1:
-            raise ConfigError(f"--samples: give sample sizes >= 1, got {list(self.samples)}")
-        check_samplers(self.samplers)
-        if not 0 <= self.figure_head < self.num_heads:
-            raise ConfigError(f"--figure-head: must lie in [0, {self.num_heads}), got {self.figure_head}")
-        if not 0 < self.delta < 1:
-            raise ConfigError(f"--delta: must lie in (0, 1), got {self.delta}")
-        if not self.C > 0:
-            raise ConfigError(f"--C: must be > 0, got {self.C}")
-        if self.crossover_s < 0:
-            raise ConfigError(f"--crossover-s: must be >= 0 (0: no crossover search), got {self.crossover_s}")
-        gib = _exact_bytes(max(self.num_heads, len(MODEL_HEADS)), self.n) / 2 ** 30
-        if gib > 0.5 * _memory_gib():
-            raise ConfigError(f"--n: exact ALiBi at n={self.n} materialises about {gib:.0f} GiB and this machine "
-                              f"has {_memory_gib():.0f} GiB; choose a smaller --n")
-        check_out_dir("--out-dir", self.out_dir)
-        why = _real_qkv_missing() if self.qkv == "model" or (self.qkv == "auto" and is_reference(self.out_dir)) \
-            else ""
-        if why and self.qkv == "model":
-            raise ConfigError(f"--qkv model: real Q/K/V unavailable: {why}")
-        if why:     # the committed demo is on SmolLM2 Q/K/V: replacing it with random ones must be asked for
-            raise ConfigError(f"--out-dir {self.out_dir}: the committed reference uses SmolLM2 Q/K/V, unavailable "
-                              f"here ({why}); pass --qkv random to write random-Q/K/V results there on purpose")
-
-
-PRESETS: Dict[str, DemoConfig] = {
-    "default": DemoConfig(),
-    "quick": DemoConfig(n=1024, samples=(1, 10, 100)),
-}
 
 
 @dataclass
@@ -127,31 +74,16 @@ class DemoResult:
     timing: dict = field(default_factory=dict)                # CPU vs wall over the timed calls, load, warning
 
 
-# SmolLM2 has 9 query heads; ALiBi for 9 heads gives these four sigma = 4, 16, 64, 256.
-MODEL_HEADS = (1, 3, 5, 7)
-
-
 def _exact_bytes(heads: int, n: int) -> int:
-    return 3 * heads * n * n * 4      # float32 bias + scores + probabilities
+    return demo_config.exact_bytes(heads, n)
 
 
 def _memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    except (ValueError, OSError, AttributeError):
-        return float("inf")
+    return demo_config.memory_gib()
 
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _real_qkv_missing() -> str:
-    """Why SmolLM2 Q/K/V on real text cannot be had here ('' when they can): the
-    demo takes whichever default corpus is installed."""
-    from poslsh_paper.data.corpus import DEFAULT_CORPORA, available_corpora
-
-    return "; ".join(missing_prerequisites(ModelInputs(corpora=tuple(available_corpora()) or DEFAULT_CORPORA)))
 
 
 def _load_qkv(cfg: DemoConfig):
@@ -164,7 +96,7 @@ def _load_qkv(cfg: DemoConfig):
         if real is not None:
             source = f"SmolLM2-135M layer {real.layer} heads {real.heads}, pre-RoPE, on {real.source}"
             return real.q.float(), real.k.float(), real.v.float(), real.sigmas, source
-        why = _real_qkv_missing() or "no document long enough"
+        why = demo_config.real_qkv_missing() or "no document long enough"
         if cfg.qkv == "model":
             raise ConfigError(f"--qkv model: real Q/K/V unavailable: {why}")
     g = torch.Generator().manual_seed(cfg.seed)
@@ -285,7 +217,7 @@ def run(cfg: DemoConfig, *, progress: Optional[Callable[[str], None]] = None) ->
             for h in range(H):
                 sg = float(sigma[h])
                 result.rows.append(DemoRow(s, h, sg, float(errs.spectral[h]),
-                                           theory.spectral_expectation_bound(n, s, sg, cfg.C),
+                                           theory.spectral_expectation_bound(n, s, sg, cfg.bound_c),
                                            float(errs.max[h]), max_bound, float(out_err[h]), sampler))
             if progress is not None:
                 progress(f"  {sampler} s={s:<4d} done ({times[s]:.0f} ms per poslsh call)")
@@ -307,11 +239,11 @@ def run(cfg: DemoConfig, *, progress: Optional[Callable[[str], None]] = None) ->
 
 def write(result: DemoResult, out_dir=None) -> Tuple[Path, Path]:
     """Figure 1 (``figure1.png``) and ``demo.json`` under ``out_dir`` (default: the
-    run's ``out_dir``), atomically; returns both paths."""
+    run's ``out``), atomically; returns both paths."""
     from poslsh_paper.experiments.plots import plot_figure1
 
     cfg = result.config
-    out = Path(out_dir if out_dir is not None else cfg["out_dir"])
+    out = Path(out_dir if out_dir is not None else cfg["out"])
     sigma = float(alibi_sigmas(cfg["num_heads"])[cfg["figure_head"]])
     fig = plot_figure1(sigma, cfg["seed"], cfg["figure_window"], out / "figure1.png")
     return fig, atomic_write_json(out / "demo.json", dataclasses.asdict(result))
@@ -344,7 +276,7 @@ def format_table(res: DemoResult) -> str:
     cfg = res.config
     lines = [
         f"n={cfg['n']}, {len(set(r.head for r in res.rows))} ALiBi heads, causal, Q/K/V: {res.qkv_source}",
-        f"bounds: eq.(1) E||L*-M~|| <= C Psi (sqrt(log n/s) + log n/s) with C={cfg['C']:g}; "
+        f"bounds: eq.(1) E||L*-M~|| <= C Psi (sqrt(log n/s) + log n/s) with C={cfg['bound_c']:g}; "
         f"eq.(3) ||L*-M~||_max <= sqrt(log(2n^2/delta)/(2s)) at delta={cfg['delta']:g}",
         "",
         f"{'sampler':>10} {'s':>4} {'sigma':>6} | {'||L*-M~||':>10} {'eq.(1)':>9} | {'||.||_max':>9} {'eq.(3)':>7} | "
@@ -387,11 +319,7 @@ def main(cfg: DemoConfig) -> int:
     res = run(cfg, progress=print)
     print()
     print(format_table(res))
-    fig, js = write(res, cfg.out_dir)
-    ref = " (the committed reference results: review with git diff)" if is_reference(cfg.out_dir) else ""
+    fig, js = write(res, cfg.out)
+    ref = " (the committed reference results: review with git diff)" if is_reference(cfg.out) else ""
     print(f"\nwrote {fig} (Figure 1 analog) and {js}{ref}  [{time.perf_counter() - t0:.0f} s]")
     return 0
-
-
-COMMANDS = [Command(name="demo", help="norms, bounds, output error and timing at n=4096; draws Figure 1",
-                    config=DemoConfig, presets=PRESETS, default_preset="default", main=main)]

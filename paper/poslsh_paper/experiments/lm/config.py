@@ -2,24 +2,29 @@
 
 A :class:`TrainConfig` fully determines a run (and is what ``config.json`` holds);
 the ``*Command`` subclasses add options of one invocation (resume, progress bar,
-table jobs) that are not part of the experiment. ``poslsh <command> --help``
-shows the comment after each field.
+table jobs) that are not part of the experiment, and hide the fields that do nothing in
+that command (``poslsh train`` runs one ``--method``; ``poslsh table`` takes ``--methods``).
+``poslsh <command> --help`` shows the comment after each field. Imports nothing heavy
+(the CLI builds ``--help`` from this module).
 """
 from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple, Optional, Tuple
+from typing import Annotated, NamedTuple, Optional, Sequence, Tuple
 
-import torch
+import tyro
+from tyro.conf import Suppress
 
 from poslsh_paper.data.tokens import SPLITS, DataConfig
 from poslsh_paper.experiments.command import ConfigError
+from poslsh_paper.experiments.paths import check_name, inside
 
 __all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand", "TableCommand", "PRESETS",
-           "Positional", "get_preset", "parse_method", "method_label", "check", "experiment_config", "run_dir"]
+           "PRESET_HELP", "NOT_RESULTS", "Positional", "get_preset", "parse_method", "method_label", "check",
+           "check_data", "experiment_config", "run_dir", "config_differences", "describe_differences"]
 
 METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")
 # The GPU tables add issue 12's grouped sampler beside the paper's i.i.d. rows.
@@ -75,16 +80,40 @@ class TrainConfig:
     seeds: Tuple[int, ...] = (0, 1, 2)  # seeds `poslsh table` runs
 
 
-# Options of one invocation: never saved in a run's config.json.
+def _hidden(name: str):
+    """The :class:`TrainConfig` default of a field that a command does not show."""
+    f = TrainConfig.__dataclass_fields__[name]
+    return field(default_factory=f.default_factory) if f.default_factory is not MISSING else f.default
+
+
+# Options of one invocation: never saved in a run's config.json. Fields that do nothing in a
+# command are hidden from it (Suppress: they keep the preset's value); a flag naming one is an
+# error that says which command it belongs to (Command.elsewhere, in .commands).
 @dataclass
 class TrainCommand(TrainConfig):
-    resume: bool = False              # continue from the run's latest checkpoint
+    preset: Suppress[str] = _hidden("preset")
+    methods: Suppress[Tuple[str, ...]] = _hidden("methods")
+    seeds: Suppress[Tuple[int, ...]] = _hidden("seeds")
+    resume: bool = False              # continue the run as recorded (its config.json) from its latest checkpoint
     overwrite: bool = False           # delete an existing run of the same name first
     progress: bool = True             # show a progress bar
 
 
 @dataclass
 class EvalCommand(TrainConfig):
+    preset: Suppress[str] = _hidden("preset")
+    batch_size: Suppress[int] = _hidden("batch_size")
+    micro_batch_size: Suppress[int] = _hidden("micro_batch_size")
+    steps: Suppress[int] = _hidden("steps")
+    lr: Suppress[float] = _hidden("lr")
+    weight_decay: Suppress[float] = _hidden("weight_decay")
+    warmup_ratio: Suppress[float] = _hidden("warmup_ratio")
+    grad_clip: Suppress[float] = _hidden("grad_clip")
+    ckpt_interval: Suppress[int] = _hidden("ckpt_interval")
+    keep_checkpoints: Suppress[int] = _hidden("keep_checkpoints")
+    context_parallel: Suppress[int] = _hidden("context_parallel")
+    methods: Suppress[Tuple[str, ...]] = _hidden("methods")
+    seeds: Suppress[Tuple[int, ...]] = _hidden("seeds")
     checkpoint: Optional[str] = None  # checkpoint dir, run dir, checkpoints/latest, or init: the model as built, untrained (default: this run's latest)
     progress: bool = True             # print each length's result as it finishes
     streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
@@ -92,7 +121,11 @@ class EvalCommand(TrainConfig):
 
 @dataclass
 class TableCommand(TrainConfig):
-    results_dir: str = "outputs"      # table.md/csv/json go to <results_dir>/<preset>/ (results: the committed reference)
+    preset: Suppress[str] = _hidden("preset")
+    method: Suppress[str] = _hidden("method")
+    seed: Suppress[int] = _hidden("seed")
+    # table.md/csv/json go to <out>/<preset>/ (results: the committed reference)
+    out: Annotated[str, tyro.conf.arg(aliases=("--results-dir",))] = "outputs"
     dry_run: bool = False             # time a few steps per method and print an estimate; train nothing
     aggregate_only: bool = False      # only tabulate finished runs
     include_runs: str = ""            # an earlier table.json whose runs stand in for missing run directories
@@ -108,6 +141,16 @@ def experiment_config(cmd: TrainConfig) -> TrainConfig:
 def _cpu_model() -> ModelConfig:
     return ModelConfig(hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, intermediate_size=384)
 
+
+PRESET_HELP = {
+    "smoke": "a few python-doc pages, a tiny model, 30 steps (end to end on a laptop)",
+    "cpu": "Table 1 analog from scratch on 2 CPU cores: 7 methods x 3 seeds, 2800 steps",
+    "cpu-long": "the cpu preset with 3x the steps: ALiBi vs PosLSH s=20 i.i.d./grouped",
+    "gpu": "a larger model at 1024 tokens for one GPU; grouped rows too",
+    "smoke-lora": "LoRA on SmolLM2-135M (RoPE replaced), 4 steps",
+    "cpu-lora": "Table 2 analog, reduced for 2 CPU cores: 5 methods x 2 seeds, 100 steps",
+    "gpu-lora": "the complete fine-tuning table on a GPU",
+}
 
 PRESETS = {
     # End-to-end in well under 2 minutes on 2 cores: a few python-doc pages, a 512-token BPE.
@@ -215,8 +258,10 @@ def method_label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
 
 
-def check(cfg: TrainConfig) -> None:
-    """Raise :class:`ConfigError` (one line naming the field) for a config no run can use."""
+def check(cfg: TrainConfig, *, data: bool = True) -> None:
+    """Raise :class:`ConfigError` (one line naming the field) for a config no run can use; with
+    ``data``, also when its corpora or model are not installed here (before any work)."""
+    check_name("preset", cfg.preset)
     parse_method(cfg.method)
     for name in ("steps", "seq_len", "batch_size", "micro_batch_size", "ckpt_interval", "eval_tokens",
                  "eval_batch_tokens"):
@@ -230,9 +275,11 @@ def check(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' was asked for but this machine has no CUDA device; use --device cpu "
-                          "(or auto)")
+    if cfg.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("device: 'cuda' was asked for but this machine has no CUDA device; use --device cpu "
+                              "(or auto)")
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints must be at least 1, got {cfg.keep_checkpoints}")
     if not cfg.lr > 0:
@@ -245,6 +292,36 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"context_parallel: method {cfg.method} needs every earlier key (ring attention); "
                           "context parallelism runs poslsh-s<k> and fixed_blocks")
     check_directory("runs_dir", cfg.runs_dir)
+    run_dir(cfg)
+    if data:
+        check_data(cfg)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """The corpora of ``cfg.data`` and (LoRA on SmolLM2, the smollm2 tokenizer) the model are
+    installed: else one line naming the package, how to install it and the offline way."""
+    from poslsh_paper.data.corpus import CORPORA, CorpusNotFound, corpus_files
+
+    names = tuple(cfg.data.corpora)
+    offline = "or train offline on generated text with --data.corpora synthetic"
+    if names != ("synthetic",):
+        unknown = [c for c in names if c not in CORPORA]
+        if not names or unknown:
+            raise ConfigError(f"data.corpora: unknown corpus {unknown[0] if unknown else '(none)'!r}; choose from "
+                              f"{', '.join(CORPORA)}, or synthetic alone (generated text, offline)")
+        for name in names:
+            try:
+                corpus_files(name)
+            except CorpusNotFound:
+                spec = CORPORA[name]
+                raise ConfigError(f"data.corpora: corpus {name!r} is not installed (the Debian package "
+                                  f"{spec.package}): install it with `sudo apt-get install {spec.package}`, point "
+                                  f"{spec.env} at a copy, {offline}") from None
+    if cfg.data.tokenizer == "smollm2" or (cfg.model.kind == "lora" and cfg.model.base == "smollm2"):
+        from poslsh_paper.models.smollm2 import INSTALL_HINT, smollm2_available
+        if not smollm2_available():
+            raise ConfigError(f"model: SmolLM2-135M is not installed (its tokenizer or weights are needed): "
+                              f"{INSTALL_HINT}; or use a from-scratch preset (smoke, cpu) with a BPE tokenizer")
 
 
 def check_directory(name: str, path: str) -> None:
@@ -258,5 +335,37 @@ def check_directory(name: str, path: str) -> None:
 
 
 def run_dir(cfg: TrainConfig) -> Path:
-    """``<runs_dir>/<preset>/<method>/seed<k>``: where a run keeps its checkpoints and results."""
-    return Path(cfg.runs_dir) / cfg.preset / cfg.method / f"seed{cfg.seed}"
+    """``<runs_dir>/<preset>/<method>/seed<k>``: where a run keeps its checkpoints and results
+    (its names checked, and the path checked to stay inside ``runs_dir``)."""
+    parse_method(cfg.method)
+    path = Path(cfg.runs_dir) / check_name("preset", cfg.preset) / cfg.method / f"seed{int(cfg.seed)}"
+    return inside(cfg.runs_dir, path, "runs_dir")
+
+
+# Fields that do not change what a run computes (where it lives, how it is scheduled): a resumed
+# run may change them, and a table compares runs without them.
+NOT_RESULTS = ("methods", "seeds", "threads", "runs_dir", "cache_dir", "ckpt_interval", "keep_checkpoints", "device",
+               "context_parallel")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_differences(wanted: TrainConfig, recorded: dict) -> dict:
+    """``{field: (wanted, recorded)}`` for the fields that change results (not :data:`NOT_RESULTS`)
+    on which ``wanted`` and a recorded config dict differ; dotted names for nested fields."""
+    from poslsh_paper.experiments.serialize import config_to_dict
+
+    a, b = _flatten(config_to_dict(experiment_config(wanted))), _flatten(recorded or {})
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if k.split(".")[0] not in NOT_RESULTS and a.get(k) != b.get(k)}
+
+
+def describe_differences(diff: dict, other: str) -> str:
+    """``steps 30 (recorded 200), lr ...`` from ``{field: (value, other value)}``."""
+    return ", ".join(f"{k} {a!r} ({other} {b!r})" if isinstance(a, str) or isinstance(b, str)
+                     else f"{k} {a} ({other} {b})" for k, (a, b) in diff.items())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -33,8 +32,11 @@ from poslsh.seeding import stable_seed
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.serialize import config_to_dict
-from poslsh_paper.experiments.lm.checkpoint import latest_checkpoint, load_checkpoint, run_lock, save_checkpoint
-from poslsh_paper.experiments.lm.config import TrainConfig, check, experiment_config, run_dir
+from poslsh_paper.experiments.lm.checkpoint import (latest_checkpoint, load_checkpoint, prepare_resume,
+                                                    recorded_config, run_lock, save_checkpoint)
+from poslsh_paper.experiments.lm.config import (TrainConfig, check, config_differences, describe_differences,
+                                                experiment_config, run_dir)
+from poslsh_paper.experiments.paths import remove_run
 from poslsh_paper.experiments.lm.evaluation import eval_forward_tokens, evaluate as evaluate_model
 from poslsh_paper.experiments.lm.model import Dist, autocast_for, build_model, load_data, trainable_parameters
 
@@ -73,25 +75,59 @@ class RunState:
     elapsed_s: float = 0.0                          # training wall time so far
 
 
+def _has_run(out_dir) -> bool:
+    """Whether ``out_dir`` holds a run's progress (a result, or checkpoints of any state)."""
+    return (out_dir / "result.json").exists() or any((out_dir / "checkpoints").glob("step-*"))
+
+
+def _check_recorded(cfg: TrainConfig, out_dir) -> None:
+    """A resumed run continues its recorded configuration: refuse any other (one line)."""
+    recorded = None
+    if (out_dir / "config.json").is_file():
+        try:
+            recorded = json.loads((out_dir / "config.json").read_text())
+        except ValueError:
+            recorded = None
+    if recorded is None:
+        newest = latest_checkpoint(out_dir, report=False)
+        recorded = recorded_config(newest) if newest is not None else None
+    diff = config_differences(cfg, recorded) if recorded else {}
+    if diff:
+        raise ConfigError(f"{out_dir} was trained with another configuration: {describe_differences(diff, 'recorded')}"
+                          f"; resume it as recorded (poslsh train --config-json {out_dir / 'config.json'} --resume) "
+                          "or pass --overwrite to start it again")
+
+
 def start_run(cfg: TrainConfig, params, optimizer, dist: Dist, resume: bool, overwrite: bool) -> RunState:
-    """Restore the latest checkpoint (``resume``), or start fresh: refuse to touch an existing
-    run unless ``overwrite``. Writes the run's ``config.json``."""
+    """Restore the latest checkpoint (``resume``: of this very configuration; older-layout
+    checkpoints adopted, damaged ones moved aside), or start fresh: refuse to touch an existing
+    run unless ``overwrite``. Writes the run's ``config.json`` when the run starts."""
     out_dir = run_dir(cfg)
+    if resume and overwrite:
+        raise ConfigError("pass one of resume (continue the run) and overwrite (delete it and start again)")
     state = RunState()
-    ckpt = latest_checkpoint(out_dir)
-    if ckpt is not None and resume:
-        saved = load_checkpoint(ckpt, params, optimizer, dist.device)
-        state = RunState(saved["step"], saved.get("history", []), saved.get("elapsed_s", 0.0))
+    exists = _has_run(out_dir)
+    if resume:
+        _check_recorded(cfg, out_dir)         # read-only: every rank refuses alike, none waits on a barrier
         if dist.main:
-            print(f"resuming {out_dir} from step {state.step} ({ckpt})", file=sys.stderr)
-    elif resume and dist.main and any((out_dir / "checkpoints").glob("step-*")):
-        print(f"no complete checkpoint in {out_dir / 'checkpoints'}: starting {out_dir} from step 0", file=sys.stderr)
-    elif (ckpt is not None or (out_dir / "result.json").exists()) and not overwrite:
+            for line in prepare_resume(out_dir, cfg):
+                print(line, file=sys.stderr)
+        dist.barrier()
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is not None:
+            saved = load_checkpoint(ckpt, params, optimizer, dist.device)
+            state = RunState(saved["step"], saved.get("history", []), saved.get("elapsed_s", 0.0))
+            if dist.main:
+                print(f"resuming {out_dir} from step {state.step} ({ckpt})", file=sys.stderr)
+        elif dist.main and exists:
+            print(f"no checkpoint to resume in {out_dir / 'checkpoints'} (see above): starting {out_dir} from the "
+                  "first step", file=sys.stderr)
+    elif exists and not overwrite:
         raise FileExistsError(f"{out_dir} already has a run: pass --resume to continue it or --overwrite")
-    elif overwrite and dist.main and out_dir.exists():
-        shutil.rmtree(out_dir)
+    elif overwrite and dist.main and out_dir.exists() and any(out_dir.iterdir()):
+        remove_run(out_dir, cfg.runs_dir)
     dist.barrier()
-    if dist.main:
+    if dist.main and not (resume and (out_dir / "config.json").is_file()):
         atomic_write_text(out_dir / "config.json", json.dumps(config_to_dict(cfg), indent=1))
     return state
 
@@ -259,9 +295,10 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
                 os.kill(os.getpid(), signal.SIGKILL)
     except KeyboardInterrupt:
         if dist.world == 1 and state.history and state.history[-1][0] > start:
-            checkpoint(state.history[-1][0])
-            print(f"\ninterrupted: checkpoint at step {state.history[-1][0]} saved; rerun with --resume",
-                  file=sys.stderr)
+            last = state.history[-1][0]
+            if latest_checkpoint(out_dir, report=False) != out_dir / "checkpoints" / f"step-{last:08d}":
+                checkpoint(last)          # not when the step's own checkpoint is already there
+            print(f"\ninterrupted: checkpoint at step {last} saved; rerun with --resume", file=sys.stderr)
         raise
     finally:
         meter.close()

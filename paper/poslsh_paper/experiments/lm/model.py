@@ -8,6 +8,7 @@ size 1); :func:`load_data` reads the token streams, rank 0 first.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import nullcontext
 from typing import List, Tuple
 
@@ -100,7 +101,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
         model, _ = load_smollm2()
     else:   # a local directory saved with save_pretrained; nothing is downloaded
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(m.base, local_files_only=True, dtype=torch.float32)
+
+        from poslsh_paper.models.smollm2 import quiet_loading
+        with quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(m.base, local_files_only=True, dtype=torch.float32)
     if model.config.vocab_size < vocab_size:
         raise ConfigError(f"data.tokenizer has {vocab_size} tokens but the model only {model.config.vocab_size}: "
                           "use the model's own tokenizer")
@@ -108,7 +112,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, bias="none",
                       target_modules=list(m.lora_targets), task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # peft asks transformers 5 for `is_gradient_checkpointing`, which warns that it is renamed:
+        # a notice to peft, not to the user, printed between our own lines. Only that one is silenced.
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 def unwrap(model):

@@ -26,12 +26,15 @@ import torch.nn.functional as F
 from poslsh_paper.io import atomic_write_text, csv_text, markdown_table
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.serialize import config_to_dict
-from poslsh_paper.experiments.lm.config import TrainConfig, experiment_config, method_label, run_dir
+from poslsh_paper.experiments.lm.config import (TrainConfig, config_differences, describe_differences, method_label,
+                                                run_dir)
+from poslsh_paper.experiments.paths import check_name, inside
 from poslsh_paper.experiments.lm.findings import findings, get, lengths_of
 from poslsh_paper.experiments.lm.loop import estimate_minutes, train
 from poslsh_paper.experiments.lm.model import build_model
 
-__all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "train_parallel", "dry_run"]
+__all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "train_parallel", "dry_run",
+           "table_dir"]
 
 CSV_FIELDS = ["method", "label", "length", "context", "seeds", "ppl_mean", "ppl_std", "acc_mean", "acc_std"]
 
@@ -128,27 +131,21 @@ def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
 
 
 # ------------------------------------------------------------------------ runs
-# Fields that do not change what a run computes (where it lives, how it is scheduled).
-NOT_RESULTS = ("methods", "seeds", "threads", "runs_dir", "cache_dir", "ckpt_interval", "keep_checkpoints", "device",
-               "context_parallel")
+def table_dir(out: Path, preset: str) -> Path:
+    """``<out>/<preset>``: where a preset's table goes (the name checked, the path kept inside ``out``)."""
+    return inside(out, Path(out) / check_name("preset", preset), "out")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+def _vs_table(diff: dict) -> str:
+    """``steps 4 (table: 3)``: the run's value first, then the table's."""
+    return describe_differences({k: (b, a) for k, (a, b) in diff.items()}, "table:")
 
 
-def config_differences(expected: TrainConfig, saved: dict) -> str:
-    """How a run's saved config differs from the table's config for that run ('' if it does
-    not): ``steps 30 -> 5``-style, on the fields that change results."""
-    want = config_to_dict(experiment_config(expected))
-    if not saved:
-        return "no recorded config"
-    a, b = _flatten(want), _flatten(saved)
-    keys = sorted(k for k in set(a) | set(b) if k.split(".")[0] not in NOT_RESULTS and a.get(k) != b.get(k))
-    return ", ".join(f"{k} {b.get(k)!r} (table: {a.get(k)!r})" for k in keys)
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def include_runs(path: Path, cfg: TrainConfig, wanted: Sequence[tuple]) -> tuple:
@@ -191,13 +188,20 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     # Seed-major training order: a table cut short still has every method at the first seeds.
     todo = [replace(cfg, method=m, seed=s) for s in seeds for m in methods]
     todo = [r for r in todo if not (run_dir(r) / "result.json").exists() and (r.method, r.seed) not in taken]
+    others = []
+    for r in list(todo):    # an unfinished run of another configuration is neither resumed nor mixed in
+        recorded = _read_json(run_dir(r) / "config.json")
+        diff = config_differences(r, recorded) if recorded is not None else {}
+        if diff:
+            todo.remove(r)
+            others.append(f"{run_dir(r)}: unfinished, started with {_vs_table(diff)}")
     if train_missing and todo:
         if jobs > 1:
             train_parallel(todo, jobs)
         else:
             for r in todo:
                 train(r, resume=True, progress=progress)
-    results, others = [], []
+    results = []
     for r in runs:
         path = run_dir(r) / "result.json"
         if not path.exists():
@@ -205,8 +209,8 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
             continue
         result = json.loads(path.read_text())
         diff = config_differences(r, result.get("config") or {})
-        if diff:
-            others.append(f"{path}: trained with {diff}")
+        if diff or not result.get("config"):
+            others.append(f"{path}: trained with {_vs_table(diff) or 'no recorded config'}")
         else:
             results.append(result)
     if others and int(os.environ.get("RANK", "0")) == 0:
@@ -224,7 +228,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
             meta["included"] = (f"{len(earlier)} run(s) taken from `{include}` (made by "
                                 f"{earlier_meta.get('command') or 'an earlier table'}, same setup and evaluation): "
                                 f"{names}; the other runs were trained for this table.")
-        write_table(results, list(methods), Path(results_dir) / cfg.preset, meta)
+        write_table(results, list(methods), table_dir(Path(results_dir), cfg.preset), meta)
     return results
 
 

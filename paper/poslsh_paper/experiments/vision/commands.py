@@ -7,12 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from poslsh_paper.data.images import ImagesNotFound
 from poslsh_paper.experiments.command import Command, ConfigError
 from poslsh_paper.experiments.lm.config import check_directory
-from poslsh_paper.experiments.vision.config import PRESETS, VisionCommand, check, experiment_config
+from poslsh_paper.experiments.vision.config import PRESET_HELP, PRESETS, VisionCommand, check, experiment_config
 
 __all__ = ["COMMANDS", "vision_main"]
 
@@ -26,6 +23,9 @@ def vision_main(cmd: VisionCommand) -> int:
     check_directory("out", cmd.out)
     say = print if cmd.progress else (lambda *_: None)
     t0 = time.perf_counter()
+    import torch
+
+    from poslsh_paper.data.images import ImagesNotFound
     from poslsh_paper.experiments.vision.table import run_all, write_table
     try:
         if not cmd.aggregate_only:
@@ -48,6 +48,6 @@ def vision_main(cmd: VisionCommand) -> int:
     return 0
 
 
-COMMANDS = [Command("vision", "ViT on Fashion-MNIST patches: learned / 1-D / 2-D ALiBi / 2-D PosLSH / fixed boxes, "
-                              "accuracy at 1x and 2x resolution, and the 2-D Figure 2",
-                    VisionCommand, PRESETS, "smoke", vision_main)]
+COMMANDS = [Command("vision", "a ViT on Fashion-MNIST patches, one positional method per run (learned, 1-D / 2-D "
+                              "ALiBi, 2-D PosLSH, fixed boxes): accuracy at 1x and 2x resolution, the 2-D Figure 2",
+                    VisionCommand, PRESETS, "smoke", vision_main, quick="smoke", preset_help=PRESET_HELP)]

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple, Tuple
+from typing import Annotated, NamedTuple, Tuple
 
-import torch
+import tyro
 
 from poslsh_paper.experiments.command import ConfigError
+from poslsh_paper.experiments.paths import check_name, inside
 from poslsh_paper.experiments.serialize import config_fingerprint
 
 __all__ = ["METHODS", "ViTConfig", "VisionConfig", "VisionCommand", "PRESETS", "Method", "parse_method",
@@ -50,7 +51,8 @@ class VisionConfig:
     backend: str = "torch"            # PosLSH / fixed-box attention: torch (near-linear op) or reference (dense)
     methods: Tuple[str, ...] = METHODS  # positional methods of the table
     seeds: Tuple[int, ...] = (0, 1, 2)  # seeds of the table (init, data order, partitions)
-    ckpt_every: int = 100             # optimizer steps between checkpoints (and one at the end)
+    # optimizer steps between checkpoints (and one at the end)
+    ckpt_interval: Annotated[int, tyro.conf.arg(aliases=("--ckpt-every",))] = 100
     keep_checkpoints: int = 2         # checkpoints kept per run
     threads: int = 0                  # torch intra-op threads per run (0 = torch's default; jobs > 1: cores / jobs)
     runs_dir: str = "outputs/vision/runs"  # runs live in <runs_dir>/<preset>-<config hash>/<method>/seed<k>/
@@ -64,6 +66,7 @@ class VisionConfig:
 
 @dataclass
 class VisionCommand(VisionConfig):
+    preset: tyro.conf.Suppress[str] = "custom"   # set by --preset / --quick / --config-json only
     out: str = "outputs/vision"       # table + figures go here (pass --out results/vision for the committed copy)
     jobs: int = 1                     # runs trained in parallel (processes; each gets cores / jobs threads)
     aggregate_only: bool = False      # only tabulate finished runs, train nothing
@@ -98,7 +101,7 @@ def method_label(method: str) -> str:
     return LABELS.get(method, method)
 
 
-def head_sigmas(cfg: ViTConfig) -> torch.Tensor:
+def head_sigmas(cfg: ViTConfig):
     """Per-head bandwidths in patches (float64 ``[heads]``): ALiBi's geometric series times ``sigma_scale``."""
     from poslsh.alibi import alibi_sigmas
     return alibi_sigmas(cfg.heads) * cfg.sigma_scale
@@ -106,6 +109,7 @@ def head_sigmas(cfg: ViTConfig) -> torch.Tensor:
 
 def check(cfg: VisionConfig) -> None:
     """Raise :class:`ConfigError` (one line naming the field) for a config no run can use."""
+    check_name("preset", cfg.preset)
     for m in cfg.methods:
         parse_method(m)
     parse_method(cfg.figure_method)
@@ -115,7 +119,7 @@ def check(cfg: VisionConfig) -> None:
         raise ConfigError(f"dataset must be fashion-mnist or synthetic, got {cfg.dataset!r}")
     if cfg.backend not in ("torch", "reference"):
         raise ConfigError(f"backend must be torch or reference, got {cfg.backend!r}")
-    for name in ("epochs", "batch_size", "eval_batch_size", "ckpt_every", "keep_checkpoints", "figure_images",
+    for name in ("epochs", "batch_size", "eval_batch_size", "ckpt_interval", "keep_checkpoints", "figure_images",
                  "figure_scale"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
@@ -143,7 +147,7 @@ def check(cfg: VisionConfig) -> None:
 
 # Fields that do not change what a run computes: excluded from the run directory's hash.
 _NOT_IN_RUN = ("methods", "seeds", "threads", "runs_dir", "figure_method", "figure_layer", "figure_images",
-               "figure_scale", "figure_samples", "delta", "ckpt_every", "keep_checkpoints", "eval_batch_size")
+               "figure_scale", "figure_samples", "delta", "ckpt_interval", "keep_checkpoints", "eval_batch_size")
 
 
 def experiment_config(cmd: VisionConfig) -> VisionConfig:
@@ -154,15 +158,20 @@ def experiment_config(cmd: VisionConfig) -> VisionConfig:
 def run_dir(cfg: VisionConfig, method: str, seed: int) -> Path:
     """``<runs_dir>/<preset>-<hash of what runs compute>/<method>/seed<k>``: a changed config is a new run."""
     tag = config_fingerprint(experiment_config(cfg), exclude=_NOT_IN_RUN)[:10]
-    return Path(cfg.runs_dir) / f"{cfg.preset}-{tag}" / method / f"seed{seed}"
+    parse_method(method)
+    path = Path(cfg.runs_dir) / f"{check_name('preset', cfg.preset)}-{tag}" / method / f"seed{int(seed)}"
+    return inside(cfg.runs_dir, path, "runs_dir")
 
+
+PRESET_HELP = {"smoke": "synthetic stripes, a 2-block ViT, two methods, one seed (for tests)",
+               "cpu": "Fashion-MNIST, 8 methods x 3 seeds, 4 epochs of 20,000 images (the table)"}
 
 PRESETS = {
     # Tests: seconds. Synthetic stripes, a 2-block ViT, two methods, one seed.
     "smoke": VisionConfig(
         preset="smoke", dataset="synthetic", train_images=256, test_images=128,
         model=ViTConfig(dim=32, depth=2, heads=4, mlp_ratio=2, fixed_box=4), epochs=1, batch_size=64,
-        eval_batch_size=128, methods=("learned", "poslsh-s2"), seeds=(0,), ckpt_every=2, threads=1, figure_method="poslsh-s2",
+        eval_batch_size=128, methods=("learned", "poslsh-s2"), seeds=(0,), ckpt_interval=2, threads=1, figure_method="poslsh-s2",
         figure_layer=0, figure_images=2, figure_samples=(1, 4, 16)),
     # The table on 2 CPU cores: 8 methods x 3 seeds, run with --jobs 2 (two 1-thread runs at a time).
     # Each run: 20,000 training images x 4 epochs = 624 steps of 128 (100-150 CPU-seconds), then

@@ -21,7 +21,8 @@ from poslsh_paper.data.images import ImageSet, load_images, subset, to_float, up
 from poslsh_paper.io import atomic_write_text
 from poslsh.seeding import stable_seed
 from poslsh.threads import intra_op_threads
-from poslsh_paper.experiments.lm.checkpoint import latest_checkpoint, load_checkpoint, run_lock, save_checkpoint
+from poslsh_paper.experiments.lm.checkpoint import (latest_checkpoint, load_checkpoint, prepare_resume, run_lock,
+                                                    save_checkpoint)
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.experiments.vision.config import VisionConfig, check, parse_method, run_dir
 from poslsh_paper.experiments.vision.model import ViT
@@ -124,6 +125,8 @@ def _train(cfg: VisionConfig, method: str, seed: int, splits: Dict[str, ImageSet
     per_epoch = steps_per_epoch(cfg, len(splits["train"]))
     total = cfg.epochs * per_epoch
     state = {"step": 0, "history": [], "elapsed_s": 0.0, "cpu_s": 0.0}
+    for line in prepare_resume(out):      # older-layout checkpoints adopted, damaged ones moved aside
+        print(line, file=sys.stderr)
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         saved = load_checkpoint(ckpt, params, opt, torch.device("cpu"))
@@ -146,7 +149,7 @@ def _train(cfg: VisionConfig, method: str, seed: int, splits: Dict[str, ImageSet
         state["cpu_s"] += time.process_time() - c0        # CPU time: what the run costs on quiet cores
         state["step"] = step + 1
         state["history"].append([step + 1, round(loss.item(), 5)])
-        if state["step"] % cfg.ckpt_every == 0 or state["step"] == total:
+        if state["step"] % cfg.ckpt_interval == 0 or state["step"] == total:
             save_checkpoint(out, state["step"], params, opt, {**state, "method": method}, cfg.keep_checkpoints)
         if progress and (state["step"] % max(1, total // 5) == 0 or state["step"] == total):
             progress(f"{method} seed{seed}: step {state['step']}/{total} loss {loss.item():.3f} "
