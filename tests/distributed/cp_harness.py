@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TIMEOUT_S = 60     # a hang (a peer that died) fails instead of blocking the suite
+TIMEOUT_S = 600     # a hang (a peer that died) fails instead of blocking the suite
 # (a module that is not installed is skipped by the server)
 PRELOAD = ["torch", "torch._dynamo", "poslsh.distributed", "cp_harness", "transformers", "poslsh.integrations.hf"]
 
