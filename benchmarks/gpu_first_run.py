@@ -115,6 +115,16 @@ def warm(args) -> int:
 
 
 # ------------------------------------------------------------------ check
+def _versions() -> str:
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "missing"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{gpu}; torch {torch.__version__}, triton {tv}, python {sys.version.split()[0]}"
+
+
 def _judge(rec, item, names, got, ref, bounds, n, sdpa=None):
     """One row per quantity: PASS when the error is within its bound."""
     mode = "fwd+bwd" if any(name.startswith("d") for name in names) else "fwd"
@@ -155,8 +165,7 @@ def _try(rec, item, n, fn):
 def check(args) -> int:
     case, n = _case(args), _n(args, N_CHECK)
     rec = Recorder(args.out, args.stage)
-    rec.row("config", "info", detail=f"{case.describe()}; torch {torch.__version__}; "
-            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+    rec.row("config", "info", detail=f"{case.describe()}; {_versions()}")
     parts = partitions(case)
     q, k, v, dout = inputs(case, n, grad=False)
     g = torch.Generator(device=case.device).manual_seed(7)

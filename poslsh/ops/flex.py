@@ -49,11 +49,18 @@ __all__ = ["AVAILABLE", "BLOCK", "CACHE", "why_not", "CPU_NO_BACKWARD"]
 AVAILABLE = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-@functools.lru_cache(maxsize=None)
-def _api():
-    """``(flex_attention, BlockMask, noop_mask, AuxRequest or None)``."""
-    from torch.nn.attention import flex_attention as fa
-    return fa.flex_attention, fa.BlockMask, fa.noop_mask, getattr(fa, "AuxRequest", None)  # AuxRequest: torch >= 2.9
+flex_attention = BlockMask = noop_mask = AuxRequest = None     # set by _load()
+
+
+def _load() -> None:
+    """Imports FlexAttention into this module's globals (outside any compiled region: the
+    compiled functions read them as globals). ``AuxRequest``: torch >= 2.9 (``return_lse`` is
+    deprecated there), None before."""
+    global flex_attention, BlockMask, noop_mask, AuxRequest
+    if flex_attention is None:
+        from torch.nn.attention import flex_attention as fa
+        flex_attention, BlockMask, noop_mask = fa.flex_attention, fa.BlockMask, fa.noop_mask
+        AuxRequest = getattr(fa, "AuxRequest", None)
 BLOCK = 128                      # FlexAttention's default sparse block (query and key tiles)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Bound on the float64 temporaries of the labels: H * s * chunk elements.
@@ -84,7 +91,8 @@ def _block_lists(lo: Tensor, hi: Tensor, flo: Tensor, fhi: Tensor, n: int) -> Tu
     part = torch.where(j < n_a[..., None], b_lo[..., None] + j, f_hi[..., None] + j - n_a[..., None])
     full = f_lo[..., None] + j
     as_i32 = lambda x: x.clamp(0, KB - 1).to(torch.int32).contiguous()  # noqa: E731  (unused slots: any block)
-    bm = _api()[1].from_kv_blocks((n_a + b_hi - f_hi).to(torch.int32).contiguous(), as_i32(part),
+    _load()
+    bm = BlockMask.from_kv_blocks((n_a + b_hi - f_hi).to(torch.int32).contiguous(), as_i32(part),
                                   (f_hi - f_lo).to(torch.int32).contiguous(), as_i32(full),
                                   BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
     return (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
@@ -187,6 +195,7 @@ CACHE = _PlanCache()
 
 
 def _plan_for(call) -> Plan:
+    _load()
     n, causal, dev = call.shape.seqlen, call.causal, call.q.device
     sequence = isinstance(call.positional, Partitions)
     if call.documents is not None:     # new tensors every call: nothing to key a cache on
@@ -203,7 +212,6 @@ def _plan_for(call) -> Plan:
 
 # ------------------------------------------------------------------ the flex calls
 def _flex(q, k, v, score_mod, mask_mod, blocks, n, scale, want_lse):
-    flex_attention, BlockMask, _, AuxRequest = _api()
     bm = BlockMask((n, n), *blocks, BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
     gqa = q.shape[1] != k.shape[1]
     if not want_lse:
@@ -217,7 +225,7 @@ def _flex(q, k, v, score_mod, mask_mod, blocks, n, scale, want_lse):
 
 def _mask(causal: bool, doc: Optional[Tensor], window: Optional[Tensor] = None):
     if not causal and doc is None and window is None:
-        return _api()[2]
+        return noop_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = kv_idx <= q_idx if causal else q_idx >= 0
@@ -233,12 +241,11 @@ def _poslsh(q, k, v, labels, doc, blocks, n: int, causal: bool, scale: float, wa
     S, batched = labels.shape[-2], labels.dim() == 4
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        count = torch.zeros_like(score)
-        for t in range(S):
-            if batched:
-                count = count + (labels[b, h, t, q_idx] == labels[b, h, t, kv_idx]).to(score.dtype)
-            else:
-                count = count + (labels[h, t, q_idx] == labels[h, t, kv_idx]).to(score.dtype)
+        count = None
+        for t in range(S):                 # unrolled: 2 label loads and a compare per sample
+            same = labels[b, h, t, q_idx] == labels[b, h, t, kv_idx] if batched else \
+                labels[h, t, q_idx] == labels[h, t, kv_idx]
+            count = same.to(score.dtype) if count is None else count + same.to(score.dtype)
         return score + torch.log(count)
     return _flex(q, k, v, score_mod, _mask(causal, doc), blocks, n, scale, want_lse)
 
