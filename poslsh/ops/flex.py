@@ -30,7 +30,6 @@ no CPU backward, and a backward through this backend on CPU raises, naming backe
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import warnings
 import weakref
@@ -47,13 +46,17 @@ __all__ = ["AVAILABLE", "BLOCK", "CACHE", "why_not", "CPU_NO_BACKWARD"]
 # Found without importing it: importing FlexAttention imports torch._dynamo (seconds), paid on
 # the first call of this backend only, not by every user of the library.
 AVAILABLE = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-
-
 flex_attention = BlockMask = noop_mask = AuxRequest = None     # set by _load()
+BLOCK = 128                      # FlexAttention's default sparse block (query and key tiles)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Bound on the float64 temporaries of the labels: H * s * chunk elements.
+_LABEL_CHUNK_ELEMENTS = 1 << 23
+CPU_NO_BACKWARD = (f"backend='flex' has no backward on CPU (FlexAttention's CPU kernels are inference-only in "
+                   f"torch {torch.__version__}): train on CPU with backend='torch', or call it under torch.no_grad()")
 
 
 def _load() -> None:
-    """Imports FlexAttention into this module's globals (outside any compiled region: the
+    """Imports FlexAttention into this module's globals, outside any compiled region (the
     compiled functions read them as globals). ``AuxRequest``: torch >= 2.9 (``return_lse`` is
     deprecated there), None before."""
     global flex_attention, BlockMask, noop_mask, AuxRequest
@@ -61,12 +64,6 @@ def _load() -> None:
         from torch.nn.attention import flex_attention as fa
         flex_attention, BlockMask, noop_mask = fa.flex_attention, fa.BlockMask, fa.noop_mask
         AuxRequest = getattr(fa, "AuxRequest", None)
-BLOCK = 128                      # FlexAttention's default sparse block (query and key tiles)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Bound on the float64 temporaries of the labels: H * s * chunk elements.
-_LABEL_CHUNK_ELEMENTS = 1 << 23
-CPU_NO_BACKWARD = (f"backend='flex' has no backward on CPU (FlexAttention's CPU kernels are inference-only in "
-                   f"torch {torch.__version__}): train on CPU with backend='torch', or call it under torch.no_grad()")
 
 
 class Plan(NamedTuple):
@@ -277,16 +274,15 @@ class _NoCpuBackward(torch.autograd.Function):
         raise RuntimeError(CPU_NO_BACKWARD)
 
 
-@functools.lru_cache(maxsize=None)
-def _plan_eagerly():
-    """:func:`_plan_for` run outside a caller's compiled graph (tensor ids, versions and a cache
-    are no graph ops); made on first use, as ``torch.compiler.disable`` imports torch._dynamo."""
-    return torch.compiler.disable(_plan_for)
+_EAGER_PLAN = []    # [_plan_for wrapped by torch.compiler.disable], made by the first call (it imports dynamo)
 
 
 def _run(call, fn, extra):
     q, k, v = call.q, call.k, call.v
-    plan = _plan_eagerly()(call) if torch.compiler.is_compiling() else _plan_for(call)
+    if not _EAGER_PLAN:
+        _EAGER_PLAN.append(torch.compiler.disable(_plan_for))
+    # inside a caller's compile the plan is built eagerly: tensor ids, versions and a cache are no graph ops
+    plan = _EAGER_PLAN[0](call) if torch.compiler.is_compiling() else _plan_for(call)
     args = (*extra(plan), plan.doc, plan.blocks, call.shape.seqlen, call.causal, call.scale, call.return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if torch.compiler.is_compiling():  # the caller's compile traces flex
