@@ -175,7 +175,6 @@ def check(args) -> int:
     oracle = lambda q, k, v: poslsh.poslsh_attention_reference(q, k, v, parts, causal=case.causal,  # noqa: E731
                                                                return_lse=True)
     ref = forward_backward(oracle, *xd, dout.double(), dlse.double())            # out, lse, dq, dk, dv
-    no_lse = [ref[0]] + ref[2:]
     later = torch.ones(n, n, dtype=torch.bool, device=case.device).triu(1) & case.causal    # masked by causality
     ref_plain = forward_backward(lambda q, k, v: oracle(q, k, v)[0], *xd, dout.double())
     sdpa = _sdpa_errors(case, q, k, v, dout, parts.dense_count(n).double().log().masked_fill(later, float("-inf")),
@@ -208,7 +207,7 @@ def check(args) -> int:
         _judge(rec, "poslsh-flex", fl_names, fl, ref, [bounds[0], lse_bound] + bounds[1:], n, sdpa)
         if tri is not None:
             rec.row("poslsh-flex vs poslsh-triton out", "info", rel_error(fl[0], tri[0]), "rel diff", n=n)
-    del ref, ref_plain, no_lse
+    del ref, ref_plain
 
     # the window op: ALiBi cut at 10 sigma per head
     slopes, window = window_of(case, n, "window-flex")
