@@ -14,7 +14,7 @@ PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_
 # The library's floors come first, the app's after them: the library never imports the app.
 FLOORS: List[Tuple[str, List[str]]] = [
     ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
-    ("core math", ["poslsh.alibi", "poslsh.documents", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference",
+    ("core math", ["poslsh.alibi", "poslsh.documents", "poslsh.merge", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference",
                    "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding",
             "poslsh"]),  # "poslsh" = the package's public face
