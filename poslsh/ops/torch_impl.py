@@ -77,7 +77,7 @@ def make_plan(kind: str, a: Tensor, b: Tensor, span: Span, layout: Optional[Layo
         widest, slopes = a, None
     else:
         bounds = window_row_bounds(b, span, causal, device, layout)
-        widest, slopes = window_block_widths(b, span.seq_len), a
+        widest, slopes = window_block_widths(b), a
     if not tiles:
         return Plan(bounds, None, slopes)
     n = span.n_q

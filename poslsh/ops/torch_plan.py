@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..partitions import Partitions, block_bounds
+from ..partitions import Partitions
 
 __all__ = ["Span", "RowBounds", "Layout", "row_bounds", "document_row_bounds", "window_row_bounds",
            "window_block_widths"]
@@ -108,13 +108,19 @@ def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
 def document_row_bounds(partitions: Partitions, layout: Layout, causal: bool, device) -> RowBounds:
     """Positional LSH over packed documents (self-attention): the blocks of each token's position
     inside its document (the partition laid over the document from its own start), shifted to
-    packed rows and cut at the document's end, so no block reaches into another document."""
+    packed rows and cut at the document's end, so no block reaches into another document.
+
+    The blocks of ``[0, L)`` are those of ``[0, L_max)`` cut at ``L`` (the partition starts at 0
+    either way), so one :func:`row_bounds` of the longest document serves every document: its
+    rows are gathered at the local positions (``O(H s (L_max + n))``, the geometry of
+    :meth:`~poslsh.partitions.Partitions.blocks`, bit-identical to ``block_bounds``)."""
     n = layout.start.numel()
-    local = torch.arange(n, device=layout.start.device) - layout.start
-    start, end = block_bounds(partitions.widths, partitions.offsets, n, local.to(partitions.device))  # [H, s, n]
-    start, end = (x.to(device).transpose(1, 2) for x in (start, end))                                 # [H, n, s]
-    doc_start, doc_end = layout.start.to(device)[None, :, None], layout.end.to(device)[None, :, None]
-    return RowBounds((start + doc_start).contiguous(), torch.minimum(end + doc_start, doc_end).contiguous(), causal, 0)
+    doc_start, doc_end = layout.start.to(device), layout.end.to(device)
+    local = torch.arange(n, device=device) - doc_start
+    longest = row_bounds(partitions, int((doc_end - doc_start).max()), causal, device)   # [H, L_max, s]
+    start = longest.start.index_select(1, local) + doc_start[None, :, None]
+    end = torch.minimum(longest.end.index_select(1, local) + doc_start[None, :, None], doc_end[None, :, None])
+    return RowBounds(start.contiguous(), end.contiguous(), causal, 0)
 
 
 def window_row_bounds(window: Tensor, span: Span, causal: bool, device, layout: Optional[Layout] = None) -> RowBounds:
@@ -135,7 +141,8 @@ def window_row_bounds(window: Tensor, span: Span, causal: bool, device, layout: 
                      causal, span.delta)
 
 
-def window_block_widths(window: Tensor, n: int) -> Tensor:
-    """The widest block of each head of a window (``min(2 w_h + 1, n)``, ``[H, 1]``): what the
-    tile height is chosen from (:func:`~poslsh.ops.torch_tiles.choose_tiles`)."""
-    return (2 * window.to(torch.int64).clamp(max=n) + 1).clamp(max=max(1, n))[:, None]
+def window_block_widths(window: Tensor) -> Tensor:
+    """The block width of each head of a window, ``2 w_h + 1`` (``[H, 1]``, not clipped to the
+    sequence, like a partition's bin widths): what the tile height is chosen from
+    (:func:`~poslsh.ops.torch_tiles.choose_tiles`), so a packed document gets the tiles it gets alone."""
+    return 2 * window.to(torch.int64).clamp(max=1 << 40)[:, None] + 1

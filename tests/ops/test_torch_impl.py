@@ -169,6 +169,7 @@ def test_torch_backend_compiles_fullgraph():
     function that calls it (no graph break on the plan's data-dependent shapes), and the
     compiled forward and backward equal the eager ones and the float64 oracle."""
     torch._dynamo.reset()
+    poslsh.available_backends()   # backends register on first use: not inside a trace
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 5, seed=1)
     q, k, v = make_qkv(2, 4, 2, 97, 16, requires_grad=True)
 
