@@ -18,7 +18,7 @@ reported: the scores each way computes (the plans' cost, machine-independent), a
 packed <= 1.1x alone and packed < unpacked, forward and forward+backward.
 
 Writes ``results/bench_packed.json`` (``--out``). Run:
-``python benchmarks/bench_packed.py [--total 65536] [--rounds 3] [--no-backward]``.
+``python benchmarks/bench_packed.py [--total 65536] [--rounds 7] [--no-backward]``.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--samples", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-backward", dest="backward", action="store_false", help="forward only")

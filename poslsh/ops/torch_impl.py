@@ -29,7 +29,7 @@ row bounds (positions restart per document) and tiles that restart at every docu
 
 Backward is flash-attention 2's with the weighted probabilities, recomputed tile by tile
 from the saved ``lse``, through the ``lse`` too (it is a differentiable output). Both
-directions of both ops are ``torch.library`` custom ops (the end of this file).
+directions of both ops are ``torch.library`` custom ops (below).
 """
 from __future__ import annotations
 
