@@ -178,9 +178,9 @@ def test_registry_and_auto():
     assert seq["flex"].priority > seq["torch"].priority
     q = torch.zeros(1, 4, 8, 16)
     assert not seq["flex"].preferred(q)
-    with pytest.raises(ValueError, match=r"no backend runs.*these can if named: \['flex'"):
-        registry.resolve("auto", "sequence", q, {"lse"})          # named only, never auto, on CPU
-    assert registry.resolve("auto", "sequence", q).name == "torch"
+    for needs in ((), ("lse",), ("documents", "lse")):               # flex is named only, never auto, on CPU
+        assert registry.resolve("auto", "sequence", q, needs).name == "torch"
+        assert registry.resolve("auto", "window", q, needs).name == "torch"
     assert "flex" in poslsh.available_backends(q) and "flex" not in poslsh.available_backends(q.double())
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 2, seed=0)
     with pytest.raises(ValueError, match=r"backend='flex' cannot run.*float64"):
