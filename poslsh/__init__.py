@@ -27,3 +27,9 @@ __all__ = [
     "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd", "poslsh_attention_reference_nd",
     "poslsh_attention_2d",
 ]
+
+# Register every backend now, not at the first call: a first call inside torch.compile would
+# otherwise import modules while dynamo traces (a graph break, an error under fullgraph=True).
+from .ops import load_backends as _load_backends  # noqa: E402
+
+_load_backends()
