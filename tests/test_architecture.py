@@ -15,6 +15,7 @@ PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_
 FLOORS: List[Tuple[str, List[str]]] = [
     ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
     ("core math", ["poslsh.alibi", "poslsh.documents", "poslsh.sampling", "poslsh.partitions", "poslsh.theory", "poslsh.reference",
+                   "poslsh.window_theory",
                    "poslsh.kernels", "poslsh.partitions_nd", "poslsh.reference_nd"]),
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding",
             "poslsh"]),  # "poslsh" = the package's public face
