@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "poslsh_paper.experiments.lm.commands",
     "poslsh_paper.experiments.generate",
     "poslsh_paper.experiments.vision",
+    "poslsh_paper.experiments.frontier",
 ]
 
 
