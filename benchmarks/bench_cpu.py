@@ -1,6 +1,6 @@
 """CPU benchmark: poslsh (torch backend) vs exact ALiBi through SDPA, side by side.
 
-Configuration (issue 2): float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
+Configuration: float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
 * speed: poslsh vs ``F.scaled_dot_product_attention`` given a materialised ALiBi
   float mask (mask built outside the timed region) at n=16384;
 * scaling: time(n=65536) / time(n=16384) for poslsh;
@@ -13,7 +13,13 @@ Configuration (issue 2): float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
   cores oversubscribed 3x), started and stopped by this script; reports the spread
   (min / median / max) and the busy / quiet ratios.
 
-* samplers (issue 12): grouped vs i.i.d. partitions (``docs/sampling.md``), forward
+* the rival: positional LSH against exact ALiBi cut at per-head windows on the same engine
+  (``windowed_alibi_attention``, torch backend) — at the cost-matched window (the keys per
+  query of positional LSH at s, :func:`poslsh.cost.cost_matched_window`) and at 4 and 8 sigma —
+  and against dense SDPA + mask, forward and forward + backward at n=16384 and 65536,
+  interleaved rounds, best of each; prints the ratios (``--rival-only`` runs just this).
+
+* samplers: grouped vs i.i.d. partitions (``docs/sampling.md``), forward
   at n=16384 (4096 with ``--quick``): at equal s (s = 5, 10, 20), and at equal
   accuracy: each grouped s against i.i.d. at the s with the same mean
   ``||L* - M~||_max`` (measured here at n=1024 over ``--accuracy-draws`` draws of the
@@ -73,6 +79,55 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
     mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
     with torch.no_grad():
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+
+
+def rival_comparison(lengths, rounds: int) -> dict:
+    """Best wall / CPU seconds of interleaved rounds: poslsh s=S, the ALiBi window at the cost of
+    s=S and at 4 and 8 sigma (all on the torch backend), and dense SDPA + ALiBi mask (n <= 16384)."""
+    from poslsh.cost import cost_matched_window
+    sigma, slopes = poslsh.alibi_sigmas(H), poslsh.alibi_slopes(H)
+    windows = {f"window at the cost of s={S}": cost_matched_window(sigma, S),
+               "window 4 sigma": torch.round(4 * sigma).long(), "window 8 sigma": torch.round(8 * sigma).long()}
+    out = {}
+    for n in lengths:
+        q, k, v, parts = inputs(n)
+        calls = {f"poslsh s={S}": lambda q, k, v: poslsh.poslsh_attention(q, k, v, parts, causal=True,
+                                                                           backend="torch")}
+        for name, w in windows.items():
+            calls[name] = (lambda w: lambda q, k, v: poslsh.windowed_alibi_attention(
+                q, k, v, slopes, window=w, causal=True, backend="torch"))(w)
+        if n <= 16384:
+            mask = poslsh.alibi_bias(n, slopes, causal=True, dtype=torch.float32)[None]
+            calls["dense SDPA + ALiBi mask"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        grads = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        modes = {"forward": lambda f: (lambda: f(q, k, v)),
+                 "forward+backward": lambda f: (lambda: f(*grads).sum().backward())}
+        res = {mode: {name: {"wall": [], "cpu": []} for name in calls} for mode in modes}
+        for mode, make in modes.items():
+            for name, f in calls.items():
+                with torch.set_grad_enabled(mode != "forward"):
+                    make(f)()                                   # warm-up
+            for _ in range(rounds):
+                for name, f in calls.items():
+                    with torch.set_grad_enabled(mode != "forward"):
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        make(f)()
+                        res[mode][name]["wall"].append(time.perf_counter() - t0)
+                        res[mode][name]["cpu"].append(time.process_time() - c0)
+        out[n] = {mode: {name: {"seconds": min(r["wall"]), "cpu_seconds": min(r["cpu"])} for name, r in rows.items()}
+                  for mode, rows in res.items()}
+        out[n]["windows"] = {name: w.tolist() for name, w in windows.items()}
+    return out
+
+
+def print_rival(res: dict) -> None:
+    print("\npositional LSH vs the ALiBi window on the same engine (torch backend), best of interleaved rounds:")
+    for n, modes in res.items():
+        print(f"  n = {n}: windows per head " + "; ".join(f"{k}: {v}" for k, v in modes["windows"].items()))
+        for mode in ("forward", "forward+backward"):
+            base = modes[mode][f"poslsh s={S}"]["seconds"]
+            for name, r in modes[mode].items():
+                print(f"    {mode:17s} {name:32s} {r['seconds'] * 1e3:9.1f} ms   {r['seconds'] / base:6.2f}x poslsh")
 
 
 IID_GRID = (1, 2, 3, 5, 7, 10, 14, 20, 30, 40, 60, 80, 120, 160, 240, 320)
@@ -237,9 +292,19 @@ def main() -> None:
                     help="also compare grouped with i.i.d. partitions at equal s and equal accuracy (default on)")
     ap.add_argument("--samplers-only", action="store_true", help="only the sampler comparison")
     ap.add_argument("--accuracy-draws", type=int, default=8, help="sampler comparison: draws per accuracy point")
+    ap.add_argument("--rival-only", action="store_true", help="only positional LSH vs the ALiBi window")
+    ap.add_argument("--rounds", type=int, default=5, help="rival comparison: interleaved rounds")
     args = ap.parse_args()
     if args.memory_child is not None:
         peak_memory_child(args.memory_child)
+        return
+    machine_line = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch " \
+                   f"{torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
+    if args.rival_only:
+        res = rival_comparison((4096, 16384) if args.quick else (16384, 65536), args.rounds)
+        print_rival(res)
+        atomic_write_json(args.out, {"machine": machine_line, "load_after": os.getloadavg()[0], "rival": res})
+        print(f"wrote {args.out}")
         return
     if args.samplers_only:
         n = 4096 if args.quick else 16384
@@ -288,6 +353,8 @@ def main() -> None:
                 print(f"  {name:26s} {when:5s} {x['min'] * 1e3:8.1f} / {x['median'] * 1e3:8.1f} / "
                       f"{x['max'] * 1e3:8.1f}   cpu/wall {x['cpu_per_wall']:.2f}")
             print(f"  {name:26s} busy / quiet median: {r['busy_over_quiet']:.2f}x")
+    rival = rival_comparison((n_small, n_large), max(3, reps))
+    print_rival(rival)
     samplers = None
     if args.samplers:
         samplers = sampler_comparison(n_small, reps, args.accuracy_draws)
@@ -296,7 +363,7 @@ def main() -> None:
         "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
         "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
         "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem, "busy": busy,
-        "samplers": samplers,
+        "samplers": samplers, "rival": rival,
     })
     print(f"wrote {args.out}")
 

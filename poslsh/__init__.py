@@ -6,7 +6,7 @@ from .documents import Documents
 from .merge import merge_attention
 from .partitions import Blocks, Partitions, sample_partitions
 from .reference import alibi_attention, poslsh_attention_reference
-from . import theory
+from . import cost, theory
 from .modules import PartitionSchedule, PoslshAttention
 # N dimensions (paper section 5): 2-D ALiBi over image patches, other positional kernels
 from .attention_nd import poslsh_attention_2d
@@ -22,7 +22,7 @@ __all__ = [
     "Partitions", "Blocks", "sample_partitions",
     "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "windowed_alibi_attention",
     "available_backends", "merge_attention", "Documents",
-    "theory", "PartitionSchedule", "PoslshAttention",
+    "theory", "cost", "PartitionSchedule", "PoslshAttention",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
     "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd", "poslsh_attention_reference_nd",
     "poslsh_attention_2d",
