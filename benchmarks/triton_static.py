@@ -38,7 +38,7 @@ import torch  # noqa: E402
 PTR = {"Q", "K", "V", "Out", "DO", "DK", "DVt", "DQ"}
 I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ"}
 F32_PTR = {"LSE", "DELTA"}
-FLOATS = {"qk_scale", "sm_scale", "log2S"}
+FLOATS = {"qk_scale", "sm_scale"}
 
 
 def compile_sm90(fn, types: dict, consts: dict, warps: int, stages: int, aligned=()) -> dict:

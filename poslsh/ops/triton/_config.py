@@ -64,11 +64,16 @@ FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _c
 DKDV_CONFIGS = [_cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
 # dq: BLOCK_M queries per program, BLOCK_N keys per step.
 DQ_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
-CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}
+# The window op's kernels (no count: fewer live registers) tune over the same lists.
+CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS,
+           "wfwd": FWD_CONFIGS, "wdkdv": DKDV_CONFIGS, "wdq": DQ_CONFIGS}
+KIND = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "wfwd": "fwd", "wdkdv": "dkdv", "wdq": "dq"}
 # Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
 # tiles, no software pipelining.
-FALLBACK = {"fwd": _cfg(32, 32, 4, 1), "dkdv": _cfg(32, 32, 4, 1), "dq": _cfg(32, 32, 4, 1)}
+FALLBACK = {name: _cfg(32, 32, 4, 1) for name in KIND}
 TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE"]
+WINDOW_TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "HAS_DOCS"]
+TUNE_KEYS = {name: WINDOW_TUNE_KEY if name.startswith("w") else TUNE_KEY for name in KIND}
 
 
 def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int, elem: int,
@@ -121,7 +126,7 @@ def prune(kernel: str, configs: List[triton.Config], named_args: dict, **kwargs)
     elem = 4 if fp32 else 2
 
     def need(c):
-        return smem_estimate(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, hd, hdv, elem)
+        return smem_estimate(KIND[kernel], c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, hd, hdv, elem)
     keep = [c for c in configs if need(c) <= limit]
     return keep or [FALLBACK[kernel]]
 

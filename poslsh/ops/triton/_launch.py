@@ -110,12 +110,16 @@ def _launch(name: str, kernel, grid, args, meta: dict, device_tensor: Tensor) ->
 
 
 # ------------------------------------------------------------------ autotuning
+# launch name -> kernel (positional LSH; "w...": the window op's)
+KERNEL_FNS = {"fwd": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel",
+              "wfwd": "_win_fwd_kernel", "wdkdv": "_win_dkdv_kernel", "wdq": "_win_dq_kernel"}
+
+
 def _autotuned(name: str):
     fn = _tuned.get(name)
     if fn is None:
-        mod = kernels(False)
-        kernel = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
-        fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEY,
+        kernel = getattr(kernels(False), KERNEL_FNS[name])
+        fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEYS[name],
                              prune_configs_by={"early_config_prune": _config.pruner(name)})(kernel)
         _tuned[name] = fn
     return fn
@@ -130,10 +134,9 @@ def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, in
     """``(kernel, [meta, ...])``: the kernel and the launch options to try in order
     (explicit tiles under the interpreter or with ``blocks``; the pruned configuration
     list when autotuning is off; the autotuner, with no options, otherwise)."""
-    mod = kernels(interpret)
-    raw = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
+    raw = getattr(kernels(interpret), KERNEL_FNS[name])
     if interpret or blocks is not None:
-        bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[name]
+        bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[_config.KIND[name]]
         _check_blocks(bm, bn)
         meta = {"BLOCK_M": bm, "BLOCK_N": bn}
         if not interpret:
@@ -145,15 +148,16 @@ def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, in
     return _autotuned(name), [{}]
 
 
-def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor) -> None:
-    """Launch kernel ``name`` once per count path; without autotuning, the first
-    configuration that fits."""
+def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor, paths=None) -> None:
+    """Launch kernel ``name`` once per count path (``paths=(None,)``: a kernel without one);
+    without autotuning, the first configuration that fits."""
     kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q)
     from triton.runtime.errors import OutOfResources
-    for path in split_paths(interpret):
+    for path in split_paths(interpret) if paths is None else paths:
+        extra = {} if path is None else {"PATH": path}
         for i, meta in enumerate(metas):
             try:
-                _launch(name, kernel, grid, args, dict(meta, PATH=path, **common), q)
+                _launch(name, kernel, grid, args, dict(meta, **extra, **common), q)
                 break
             except OutOfResources:
                 if i == len(metas) - 1:
@@ -298,43 +302,79 @@ def _n_key(n: int) -> int:
 
 
 def _plan_args(p: _plan.Plan, n: int):
-    return (n, p.gran.shape[-1], p.gran[0].numel())
+    """``n, n_gran, gran_stride`` and the per-batch-row strides of ``ids``, ``gran`` and the
+    compare path's labels (0: one plan for every row)."""
+    ids_bs, gran_bs, lat_bs = _plan.row_strides(p)
+    return (n, p.gran.shape[-1], p.gran[0].numel(), ids_bs, gran_bs, lat_bs)
+
+
+def _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end) -> _plan.Plan:
+    if doc_start is None:
+        return get_plan(widths, offsets, n, G, groups)
+    if doc_end is None or doc_start.shape != doc_end.shape or doc_start.dim() != 2 or doc_start.shape[1] != n:
+        raise ValueError(f"doc_start / doc_end must both be int64 [B, n={n}]")
+    return _plan.cached(widths, offsets, n, G, lambda: _plan.document_plan(widths, offsets, n, G, doc_start, doc_end,
+                                                                           groups),
+                        groups=groups, documents=doc_start)
 
 
 # ------------------------------------------------------------------ forward
 def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-            blocks: Optional[Tuple[int, int]] = None, groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``out [B, Hq, n, dv]`` (q.dtype) and ``lse [B, Hq, n]`` (fp32, log2 domain, incl. ``1/s``)."""
+            blocks: Optional[Tuple[int, int]] = None, groups: Optional[Tensor] = None,
+            doc_start: Optional[Tensor] = None, doc_end: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``out [B, Hq, n, dv]`` (q.dtype), ``lse [B, Hq, n]`` (fp32, base 2, of the weights ``count``:
+    ``log2 sum_k count_ik 2^(qk_ik)``) and ``lse_lo`` (fp32: what rounding ``lse`` to fp32 lost,
+    for the backward). ``doc_start`` / ``doc_end``: packed documents (:class:`poslsh.documents.Documents`)."""
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     G = Hq // Hkv
     interpret = use_interpreter(q)
     out = torch.empty(B, Hq, n, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
+    lse_lo = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     if B == 0:
-        return out, lse
-    p = get_plan(widths, offsets, n, G, groups)
+        return out, lse, lse_lo
+    p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
     lat, ksz, NC = _count_args(p, S)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret, p.lat is not None)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
-         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse,
+         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse, lse_lo,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), math.log2(S), _n_key(n)), common, q)
-    return out, lse
+          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), _n_key(n)), common, q)
+    return out, lse, lse_lo
 
 
 # ------------------------------------------------------------------ backward
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def delta_pre(out: Tensor, dout: Tensor, dlse: Optional[Tensor], interpret: bool) -> Tensor:
+    """``delta = rowsum(dout * out) - log2(e) dlse`` (fp32 ``[B, Hq, n]``): ``dlse`` is the
+    gradient of the base-2 lse (``d lse_i / d s_ij = p_ij / ln 2``)."""
+    B, Hq, n, dv = out.shape
+    delta = torch.empty(B, Hq, n, dtype=torch.float32, device=out.device)
+    has = dlse is not None
+    dl = dlse.to(torch.float32).contiguous() if has else delta
+    PRE = 64
+    nt_pre = triton.cdiv(n, PRE)
+    _launch("bwd_pre", kernels(interpret)._bwd_pre_kernel, (nt_pre * B * Hq,),
+            (out, dout, dl, delta, out.stride(0), out.stride(1), out.stride(2),
+             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq, math.log2(math.e)),
+            dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE, HAS_DLSE=has), out)
+    return delta
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_lo: Tensor,
              widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-             blocks: Optional[Dict[str, Tuple[int, int]]] = None,
-             groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             blocks: Optional[Dict[str, Tuple[int, int]]] = None, groups: Optional[Tensor] = None,
+             dlse: Optional[Tensor] = None, doc_start: Optional[Tensor] = None,
+             doc_end: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` from the forward's ``out, lse, lse_lo``; ``dlse``: the gradient of the
+    (base-2) lse, or None."""
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    lse = lse.contiguous()
+    lse, lse_lo = lse.contiguous(), lse_lo.contiguous()
     G = Hq // Hkv
     interpret = use_interpreter(q)
     dq = torch.empty(B, Hq, n, d, dtype=q.dtype, device=q.device)
@@ -342,33 +382,26 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     dvv = torch.empty(B, Hkv, n, dv, dtype=v.dtype, device=q.device)
     if B == 0:
         return dq, dk, dvv
-    p = get_plan(widths, offsets, n, G, groups)
+    p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
     lat, ksz, NC = _count_args(p, S)
-    mod = kernels(interpret)
-    delta = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
-    PRE = 64
-    nt_pre = triton.cdiv(n, PRE)
-    _launch("bwd_pre", mod._bwd_pre_kernel, (nt_pre * B * Hq,),
-            (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq),
-            dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE), q)
+    delta = delta_pre(out, dout, dlse, interpret)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret, p.lat is not None)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _run("dkdv", interpret, blocks.get("dkdv"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
+         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("dq", interpret, blocks.get("dq"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dq,
+         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dq,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dq.stride(0), dq.stride(1), dq.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
     return dq, dk, dvv
