@@ -36,8 +36,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 PTR = {"Q", "K", "V", "Out", "DO", "DK", "DVt", "DQ"}
-I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ"}
-F32_PTR = {"LSE", "DELTA"}
+I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ", "WIN", "START", "END"}
+F32_PTR = {"LSE", "LSE_LO", "DELTA", "DLSE", "SLOPE"}
 FLOATS = {"qk_scale", "sm_scale"}
 
 
@@ -101,14 +101,14 @@ def section_compile(args) -> bool:
     from poslsh.ops.triton import _config, _launch
 
     mod = _launch.kernels(False)
-    fns = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}
+    fns = {name: getattr(mod, fn) for name, fn in _launch.KERNEL_FNS.items()}
     limit = _config.DEFAULT_SMEM
     ok = True
     d = args.head_dim
     print(f"\n== compile for sm_90 (triton {triton.__version__}): d = {d}, causal, TMA loads, any s "
           f"(runtime sample loop), R_MAX = {_config.R_MAX}; smem limit {limit // 1024} KiB ==")
     print("path 1: one-hot count programs, path 2: label-compare programs (two launches); path 0: one kernel with "
-          "both; L: grouped partitions (lattice counts)")
+          "both; L: grouped partitions (lattice counts); w*: the window op's kernels (wD: packed documents)")
     print(f"{'kernel':>6} {'dtype':>5} {'BM x BN/warps/stages':>32} {'path':>4} {'regs':>5} {'spill st/ld (B)':>16} "
           f"{'smem KiB':>9} {'model KiB':>9} {'pruned':>7} {'compile s':>9}")
     dtypes = ["bf16"] if args.quick else ["bf16", "fp32"]
@@ -127,11 +127,16 @@ def section_compile(args) -> bool:
                     print(f"{name:>6} {dt:>5} {cfg:>32} {'-':>4} {'-':>5} {'-':>16} {'-':>9} {est / 1024:>9.0f} "
                           f"{'yes':>7} {'-':>9}", flush=True)
                     continue
-                for path, lattice in paths:
-                    consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, R_MAX=_config.R_MAX,
-                                  SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32x3" if dt == "fp32" else "tf32",
-                                  BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice)
-                    label = f"{path}{'L' if lattice else ''}"
+                window = name.startswith("w")
+                for path, lattice in ([("w", False), ("w", True)] if window else paths):
+                    consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, BLOCK_M=bm, BLOCK_N=bn,
+                                  DOT_PREC="tf32x3" if dt == "fp32" else "tf32")
+                    if window:      # lattice stands for packed documents here
+                        consts.update(HAS_DOCS=lattice)
+                        label = "wD" if lattice else "w"
+                    else:
+                        consts.update(R_MAX=_config.R_MAX, SC=_config.SAMPLE_CHUNK, PATH=path, LATTICE=lattice)
+                        label = f"{path}{'L' if lattice else ''}"
                     try:
                         r = compile_sm90(fn, _types(fn, dt), consts, c.num_warps, c.num_stages, _aligned(fn))
                     except Exception as e:  # noqa: BLE001 - reported, and a failure
@@ -141,7 +146,7 @@ def section_compile(args) -> bool:
                         continue
                     # kept configurations must fit the model (fallbacks: the SM); 16-bit ones must not spill much
                     bad = (not pruned) and (r["smem"] > (limit if fallback else est)
-                                            or (path and dt != "fp32" and r["spill_st"] > args.max_spill))
+                                            or (path != 0 and dt != "fp32" and r["spill_st"] > args.max_spill))
                     ok = ok and not bad
                     print(f"{name:>6} {dt:>5} {cfg:>32} {label:>4} {r['regs']:>5} {r['spill_st']:>7}/{r['spill_ld']:<8} "
                           f"{r['smem'] / 1024:>9.1f} {est / 1024:>9.0f} {'yes' if pruned else 'no':>7} "
@@ -155,12 +160,25 @@ def section_compile(args) -> bool:
 
 
 def section_launches(args) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
+    # triton is imported before the interpreter is requested: triton decorates its own helpers
+    # (tl.max, ...) for one mode when it is first imported, and the compile section needs them
+    # compiled. The variable is only needed while the CPU tensors run (why_not), and is restored.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import poslsh
     from poslsh.ops.triton import _launch, _plan
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        _count_launches(args, poslsh, _launch, _plan, TorchDispatchMode)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
+
+def _count_launches(args, poslsh, _launch, _plan, TorchDispatchMode) -> None:
     class _Ops(TorchDispatchMode):        # aten ops that launch a kernel on a GPU (no views / allocations)
         def __init__(self):
             super().__init__()

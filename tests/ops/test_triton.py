@@ -389,8 +389,8 @@ def test_grid_is_one_axis(monkeypatch):
     B, H, n = 300, 256, 40                                  # B x H = 76,800 > 65,535
     q = torch.zeros(B, H, n, 16)
     parts = Partitions(torch.full((H, 2), 5.0, dtype=torch.float64), torch.zeros(H, 2, dtype=torch.float64))
-    out, lse = _launch.forward(q, q, q, parts.widths, parts.offsets, True, 0.25)
-    _launch.backward(out, q, q, q, out, lse, parts.widths, parts.offsets, True, 0.25)
+    out, lse, lo = _launch.forward(q, q, q, parts.widths, parts.offsets, True, 0.25)
+    _launch.backward(out, q, q, q, out, lse, lo, parts.widths, parts.offsets, True, 0.25)
     tiles = {"fwd": 2, "dq": 2, "dkdv": 2, "bwd_pre": 1}    # interpreter tiles 32x32, pre-kernel 64 rows
     assert [name for name, _ in seen] == ["fwd", "bwd_pre", "dkdv", "dq"]
     for name, grid in seen:
@@ -438,14 +438,14 @@ def test_fake_and_meta_implementations():
         k = torch.empty(B, Hkv, n, d, dtype=torch.bfloat16)
         v = torch.empty(B, Hkv, n, dv, dtype=torch.bfloat16)
         w = torch.empty(Hq, 10, dtype=torch.float64)
-        out, lse = torch.ops.poslsh.triton_attention_fwd(q, k, v, w, w, True, 0.125)
+        out, lse, lo = torch.ops.poslsh.triton_attention_fwd(q, k, v, w, w, True, 0.125)
         assert out.shape == (B, Hq, n, dv) and out.dtype == torch.bfloat16 and out.is_contiguous()
-        assert lse.shape == (B, Hq, n) and lse.dtype == torch.float32
-        dq, dk, dvv = torch.ops.poslsh.triton_attention_bwd(out, q, k, v, out, lse, w, w, True, 0.125)
+        assert lse.shape == lo.shape == (B, Hq, n) and lse.dtype == lo.dtype == torch.float32
+        dq, dk, dvv = torch.ops.poslsh.triton_attention_bwd(out, q, k, v, out, lse, lo, w, w, True, 0.125)
         assert dq.shape == q.shape and dq.is_contiguous() and dk.shape == k.shape and dvv.shape == v.shape
     meta = [torch.empty(s, device="meta", dtype=torch.float16) for s in ((1, 2, 77, 16), (1, 1, 77, 16))]
     w = torch.empty(2, 3, dtype=torch.float64, device="meta")
-    out, lse = torch.ops.poslsh.triton_attention_fwd(meta[0], meta[1], meta[1], w, w, False, 0.25)
+    out, lse, _ = torch.ops.poslsh.triton_attention_fwd(meta[0], meta[1], meta[1], w, w, False, 0.25)
     assert out.device.type == "meta" and out.shape == (1, 2, 77, 16)
 
 

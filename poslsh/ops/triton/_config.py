@@ -64,6 +64,11 @@ FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _c
 DKDV_CONFIGS = [_cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
 # dq: BLOCK_M queries per program, BLOCK_N keys per step.
 DQ_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
+# Which launch (one-hot or compare) runs a tile is decided on the CLASS_TILE positions holding it
+# (forward / dq: query rows; dk/dv: keys), whatever tile a launch uses (<= the class tile).
+CLASS_TILE = {"fwd": 128, "dq": 128, "dkdv": 64}
+assert all(max(c.kwargs["BLOCK_N" if k == "dkdv" else "BLOCK_M"] for c in cs) <= CLASS_TILE[k]
+           for k, cs in (("fwd", FWD_CONFIGS), ("dkdv", DKDV_CONFIGS), ("dq", DQ_CONFIGS)))
 # The window op's kernels (no count: fewer live registers) tune over the same lists.
 CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS,
            "wfwd": FWD_CONFIGS, "wdkdv": DKDV_CONFIGS, "wdq": DQ_CONFIGS}
@@ -81,7 +86,9 @@ def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int,
     """Shared memory (bytes) a configuration needs, from its tiles: the program's own
     tile, ``stages`` buffers of the streamed tiles, the one-hot operand and layout
     scratch. An upper bound of what triton allocated for every configuration that
-    ``benchmarks/triton_static.py`` compiled for sm_90 (it prints both)."""
+    ``benchmarks/triton_static.py`` compiled for sm_90 (it prints both). ``kernel``: a launch
+    name (:data:`KIND`; the window op's kernels hold less: an upper bound for them too)."""
+    kernel = KIND.get(kernel, kernel)
     if kernel == "fwd":      # Q [bm, hd]; K, V [bn, hd + hdv] x stages; P / one-hot staging
         own, stream, extra = bm * hd, bn * (hd + hdv), bm * bn + r_max * bn
     elif kernel == "dq":     # Q, dO [bm, hd + hdv]; K, V [bn, hd + hdv] x stages
@@ -126,7 +133,7 @@ def prune(kernel: str, configs: List[triton.Config], named_args: dict, **kwargs)
     elem = 4 if fp32 else 2
 
     def need(c):
-        return smem_estimate(KIND[kernel], c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, hd, hdv, elem)
+        return smem_estimate(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, hd, hdv, elem)
     keep = [c for c in configs if need(c) <= limit]
     return keep or [FALLBACK[kernel]]
 

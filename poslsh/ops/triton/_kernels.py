@@ -201,6 +201,18 @@ def _tile_R(IDS, h, n, S, p0, plast, SC: tl.constexpr):
 
 
 @triton.jit
+def _class_R(IDS, h, n, S, p0, R, CLASS_TILE: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr):
+    """The ``R`` that decides which launch runs a program (``PATH`` 1 / 2): that of the
+    ``CLASS_TILE`` positions holding its tile, a fixed size (the launches may tile differently:
+    the one-hot launch and the compare launch are tuned apart), so that every tile is run by
+    exactly one launch; the program's own ``R`` (``<=``) with ``PATH`` 0."""
+    if PATH != 0:
+        c0 = p0 // CLASS_TILE * CLASS_TILE
+        R = _tile_R(IDS, h, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC)
+    return R
+
+
+@triton.jit
 def _takes(R, R_MAX: tl.constexpr, PATH: tl.constexpr):
     """Whether a program whose tile has ``R`` blocks runs in a launch of kind ``PATH``:
     0 both (the count is chosen inside), 1 one-hot only (``R <= R_MAX``), 2 compares only."""
@@ -342,10 +354,11 @@ def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, 
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
-        qk = tl.where(w > 0.5, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+        m_new = tl.maximum(m_i, tl.reduce(tl.where(w > 0.5, qk * qk_scale, float("-inf")), 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None]) * w
+        # one rounding (the fma's), of a small number: the exponent loses nothing to the
+        # magnitude of the logits, and the backward recomputes it the same way
+        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -m_safe[:, None])) * w, 0.0)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
@@ -375,7 +388,7 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
                 CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                 R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
     IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     kvh = h // G
@@ -389,7 +402,7 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(R, R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         Qb = Q + b64 * sqb + h.to(tl.int64) * sqh
         Kb = K + b64 * skb + kvh.to(tl.int64) * skh
@@ -483,8 +496,7 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, N
         if CAUSAL:
             if m0 < nlast:
                 w = tl.where(offs_m[None, :] >= offs_n[:, None], w, 0.0)
-        sT = tl.where(w > 0.5, qkT * qk_scale, float("-inf"))      # rounded as in the forward
-        pT = tl.exp2((sT - lse[None, :]) - lse_lo[None, :]) * w
+        pT = tl.where(w > 0.5, tl.exp2(tl.fma(qkT, qk_scale, -lse[None, :]) - lse_lo[None, :]) * w, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
@@ -513,7 +525,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ
                      CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                      R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch, kv head): dk, dv of the tile, summed over
     the ``G`` query heads of the group (each with its own partitions): no atomics.
     With ``PATH`` 1 / 2 a program runs when all / not all of its heads take the one-hot count."""
@@ -523,8 +535,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ
     nlast = tl.minimum(n0 + BLOCK_N, n) - 1
     Rm = n0 * 0
     if PATH != 0:
+        c0 = n0 // CLASS_TILE * CLASS_TILE
         for g in range(G):
-            Rm = tl.maximum(Rm, _tile_R(IDS, kvh * G + g, n, S, n0, nlast, SC))
+            Rm = tl.maximum(Rm, _tile_R(IDS, kvh * G + g, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC))
     if _takes(Rm, R_MAX, PATH):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -597,8 +610,7 @@ def _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, 
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
-        s2 = tl.where(w > 0.5, qk * qk_scale, float("-inf"))        # rounded as in the forward
-        p = tl.exp2((s2 - lse[:, None]) - lse_lo[:, None]) * w
+        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -lse[:, None]) - lse_lo[:, None]) * w, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -625,7 +637,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, 
                    CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                    R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch, query head): dq, over the forward's key range."""
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
     IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
@@ -640,7 +652,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, 
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(R, R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         q = _load_tile(Q + b64 * sqb + h64 * sqh, offs_m, sqn, offs_d, n, D, HEAD_DIM)

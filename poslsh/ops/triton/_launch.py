@@ -138,6 +138,8 @@ def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, in
     if interpret or blocks is not None:
         bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[_config.KIND[name]]
         _check_blocks(bm, bn)
+        if max(bm, bn) > _config.CLASS_TILE[_config.KIND[name]]:
+            raise ValueError(f"tiles {(bm, bn)} larger than the class tile {_config.CLASS_TILE[_config.KIND[name]]}")
         meta = {"BLOCK_M": bm, "BLOCK_N": bn}
         if not interpret:
             meta.update(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=2)
@@ -154,7 +156,7 @@ def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor
     kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q)
     from triton.runtime.errors import OutOfResources
     for path in split_paths(interpret) if paths is None else paths:
-        extra = {} if path is None else {"PATH": path}
+        extra = {} if path is None else {"PATH": path, "CLASS_TILE": _config.CLASS_TILE[name]}
         for i, meta in enumerate(metas):
             try:
                 _launch(name, kernel, grid, args, dict(meta, **extra, **common), q)
