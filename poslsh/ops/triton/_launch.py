@@ -288,7 +288,7 @@ def _count_args(p: _plan.Plan, S: int) -> Tuple[Tensor, Tensor, int]:
     the samples' block labels (``KSZ`` then unused)."""
     if p.lat is None:
         return p.ids, p.ids, S
-    return p.lat, p.ksz, p.lat.shape[1]
+    return p.lat, p.ksz, p.lat.shape[-2]
 
 
 def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret: bool, lattice: bool) -> dict:
