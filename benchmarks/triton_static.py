@@ -135,7 +135,8 @@ def section_compile(args) -> bool:
                         consts.update(HAS_DOCS=lattice)
                         label = "wD" if lattice else "w"
                     else:
-                        consts.update(R_MAX=_config.R_MAX, SC=_config.SAMPLE_CHUNK, PATH=path, LATTICE=lattice)
+                        consts.update(R_MAX=_config.R_MAX, SC=_config.SAMPLE_CHUNK, PATH=path, LATTICE=lattice,
+                                      CLASS_TILE=_config.CLASS_TILE[name], ROW_PLANS=False)
                         label = f"{path}{'L' if lattice else ''}"
                     try:
                         r = compile_sm90(fn, _types(fn, dt), consts, c.num_warps, c.num_stages, _aligned(fn))

@@ -368,7 +368,8 @@ def test_default_configs_compile_for_sm90(name):
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     for path, lattice in ((1, False), (2, False), (2, True)):
         consts = dict(CAUSAL=True, D=128, DV=128, HEAD_DIM=128, HEAD_DV=128, USE_TMA=True, R_MAX=_config.R_MAX,
-                      SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice)
+                      SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice,
+                      CLASS_TILE=_config.CLASS_TILE[name], ROW_PLANS=False)
         r = triton_static.compile_sm90(fn, triton_static._types(fn, "bf16"), consts, c.num_warps, c.num_stages,
                                        triton_static._aligned(fn))
         print(name, path, "lattice" if lattice else "", r)

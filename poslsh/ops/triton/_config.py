@@ -76,7 +76,7 @@ KIND = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "wfwd": "fwd", "wdkdv": "dkdv"
 # Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
 # tiles, no software pipelining.
 FALLBACK = {name: _cfg(32, 32, 4, 1) for name in KIND}
-TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE"]
+TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE", "ROW_PLANS"]
 WINDOW_TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "HAS_DOCS"]
 TUNE_KEYS = {name: WINDOW_TUNE_KEY if name.startswith("w") else TUNE_KEY for name in KIND}
 

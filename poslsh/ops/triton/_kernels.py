@@ -201,14 +201,17 @@ def _tile_R(IDS, h, n, S, p0, plast, SC: tl.constexpr):
 
 
 @triton.jit
-def _class_R(IDS, h, n, S, p0, R, CLASS_TILE: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr):
+def _class_R(IDS, h, n, S, p0, R, CLASS_TILE: tl.constexpr, TILE: tl.constexpr, SC: tl.constexpr,
+             PATH: tl.constexpr):
     """The ``R`` that decides which launch runs a program (``PATH`` 1 / 2): that of the
-    ``CLASS_TILE`` positions holding its tile, a fixed size (the launches may tile differently:
-    the one-hot launch and the compare launch are tuned apart), so that every tile is run by
-    exactly one launch; the program's own ``R`` (``<=``) with ``PATH`` 0."""
+    ``CLASS_TILE`` positions holding its tile of ``TILE`` (the launches may tile differently: the
+    one-hot launch and the compare launch are tuned apart), so that every tile is run by exactly
+    one launch (the program's own ``R`` is ``<=``). Its own ``R`` when the tiles are the class
+    tiles (the default configurations: an extra sample loop costs ~250 B of spills) or with ``PATH`` 0."""
     if PATH != 0:
-        c0 = p0 // CLASS_TILE * CLASS_TILE
-        R = _tile_R(IDS, h, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC)
+        if TILE != CLASS_TILE:
+            c0 = p0 // CLASS_TILE * CLASS_TILE
+            R = _tile_R(IDS, h, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC)
     return R
 
 
@@ -388,9 +391,10 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
                 CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                 R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
-    IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     kvh = h // G
     m0 = tile * BLOCK_M
     mlast = tl.minimum(m0 + BLOCK_M, n) - 1
@@ -402,7 +406,7 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, SC, PATH), R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, BLOCK_M, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         Qb = Q + b64 * sqb + h.to(tl.int64) * sqh
         Kb = K + b64 * skb + kvh.to(tl.int64) * skh
@@ -525,17 +529,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ
                      CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                      R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                     CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch, kv head): dk, dv of the tile, summed over
     the ``G`` query heads of the group (each with its own partitions): no atomics.
     With ``PATH`` 1 / 2 a program runs when all / not all of its heads take the one-hot count."""
     tile, b, kvh = _program(tl.program_id(0), (n + BLOCK_N - 1) // BLOCK_N, B, Hkv, ORDER, Hq)
-    IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     n0 = tile * BLOCK_N
     nlast = tl.minimum(n0 + BLOCK_N, n) - 1
     Rm = n0 * 0
     if PATH != 0:
-        c0 = n0 // CLASS_TILE * CLASS_TILE
+        c0 = n0 // CLASS_TILE * CLASS_TILE      # the class tile (== the program's with the default tiles)
         for g in range(G):
             Rm = tl.maximum(Rm, _tile_R(IDS, kvh * G + g, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC))
     if _takes(Rm, R_MAX, PATH):
@@ -592,7 +597,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
+def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
              qk_scale, offs_d, offs_dv,
              CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
              DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -610,7 +615,7 @@ def _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, 
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
-        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -lse[:, None]) - lse_lo[:, None]) * w, 0.0)
+        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -lse[:, None])) * w, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -618,14 +623,14 @@ def _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, 
 
 
 @triton.jit
-def _dq_onehot(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_m, m0,
+def _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_m, m0,
                mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
                CAUSAL: tl.constexpr, R_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, m0, mlast, R, tr, jr, R_MAX, BLOCK_M)
     phi_q = _onehot(offs_m, bs, be, True)
-    return _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
+    return _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
                     qk_scale, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                     DOT_PREC, USE_TMA, False)
 
@@ -637,10 +642,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, 
                    CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                    R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                   CLASS_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch, query head): dq, over the forward's key range."""
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
-    IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     kvh = h // G
     m0 = tile * BLOCK_M
     mlast = tl.minimum(m0 + BLOCK_M, n) - 1
@@ -652,14 +658,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, 
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, SC, PATH), R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, BLOCK_M, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         q = _load_tile(Q + b64 * sqb + h64 * sqh, offs_m, sqn, offs_d, n, D, HEAD_DIM)
         do = _load_tile(DO + b64 * sdb + h64 * sdh, offs_m, sdn, offs_dv, n, DV, HEAD_DV)
         rmask = offs_m < n
         lse = tl.load(LSE + (b64 * Hq + h64) * n + offs_m, mask=rmask, other=0.0)
-        lse_lo = tl.load(LSE_LO + (b64 * Hq + h64) * n + offs_m, mask=rmask, other=0.0)
         delta = tl.load(DELTA + (b64 * Hq + h64) * n + offs_m, mask=rmask, other=0.0)
         Kb = K + b64 * skb + kvh.to(tl.int64) * skh
         Vb = V + b64 * svb + kvh.to(tl.int64) * svh
@@ -671,23 +676,25 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, 
         KSh = KSZ + h64 * NC
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         if PATH == 1:
-            dq = _dq_onehot(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
+            dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
                             offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, R_MAX,
                             BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
-            dq = _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
+            dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
                           qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                           DOT_PREC, USE_TMA, LATTICE)
         else:
             if R <= R_MAX:
-                dq = _dq_onehot(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh,
+                dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh,
                                 S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL,
                                 R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
             else:
-                dq = _dq_loop(dq, q, do, lse, lse_lo, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
+                dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
                               qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                               DOT_PREC, USE_TMA, LATTICE)
-        dq = dq * sm_scale
+        # p = 2^(fma(qk, c, -lse) - lse_lo) count: the row factor 2^-lse_lo applied once, here
+        lse_lo = tl.load(LSE_LO + (b64 * Hq + h64) * n + offs_m, mask=rmask, other=0.0)   # loaded late: registers
+        dq = dq * (sm_scale * tl.exp2(-lse_lo))[:, None]
         dqp = DQ + b64 * sdqb + h64 * sdqh + offs_m.to(tl.int64)[:, None] * sdqn + offs_d[None, :]
         tl.store(dqp, dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])
 

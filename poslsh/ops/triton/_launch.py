@@ -296,7 +296,7 @@ def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret
         _ensure_allocator()
     return dict(CAUSAL=bool(causal), D=d, DV=dv, HEAD_DIM=_pow2(d), HEAD_DV=_pow2(dv),
                 DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma), R_MAX=ONEHOT_MAX["r_max"], SC=SAMPLE_CHUNK,
-                LATTICE=bool(lattice))
+                LATTICE=bool(lattice), ROW_PLANS=False)
 
 
 def _n_key(n: int) -> int:
@@ -339,6 +339,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, ca
     p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
     lat, ksz, NC = _count_args(p, S)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret, p.lat is not None)
+    common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
          (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse, lse_lo,
@@ -388,6 +389,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     lat, ksz, NC = _count_args(p, S)
     delta = delta_pre(out, dout, dlse, interpret)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret, p.lat is not None)
+    common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 

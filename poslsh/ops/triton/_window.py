@@ -54,7 +54,7 @@ def _docs(q: Tensor, n: int, doc_start: Optional[Tensor], doc_end: Optional[Tens
 
 def _meta(q, d, dv, causal, tma, interpret, has_docs) -> dict:
     meta = _launch._meta(q, q.shape[2], d, dv, causal, tma, interpret, False)
-    for unused in ("R_MAX", "SC", "LATTICE"):
+    for unused in ("R_MAX", "SC", "LATTICE", "ROW_PLANS"):
         meta.pop(unused)
     meta["HAS_DOCS"] = has_docs
     return meta
