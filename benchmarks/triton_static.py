@@ -101,7 +101,8 @@ def section_compile(args) -> bool:
     from poslsh.ops.triton import _config, _launch
 
     mod = _launch.kernels(False)
-    fns = {name: getattr(mod, fn) for name, fn in _launch.KERNEL_FNS.items()}
+    # every configuration list: "fwd" (one-hot launches, PATH 1), "fwd/compare" (PATH 2), "wfwd" (window), ...
+    fns = {name: getattr(mod, _launch.KERNEL_FNS[name.split("/")[0]]) for name in _config.CONFIGS}
     limit = _config.DEFAULT_SMEM
     ok = True
     d = args.head_dim
@@ -128,7 +129,8 @@ def section_compile(args) -> bool:
                           f"{'yes':>7} {'-':>9}", flush=True)
                     continue
                 window = name.startswith("w")
-                for path, lattice in ([("w", False), ("w", True)] if window else paths):
+                mine = [(p, lat) for p, lat in paths if (p == 2) == name.endswith("/compare")]
+                for path, lattice in ([("w", False), ("w", True)] if window else mine):
                     consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, BLOCK_M=bm, BLOCK_N=bn,
                                   DOT_PREC="tf32x3" if dt == "fp32" else "tf32")
                     if window:      # lattice stands for packed documents here
@@ -136,7 +138,7 @@ def section_compile(args) -> bool:
                         label = "wD" if lattice else "w"
                     else:
                         consts.update(R_MAX=_config.R_MAX, SC=_config.SAMPLE_CHUNK, PATH=path, LATTICE=lattice,
-                                      CLASS_TILE=_config.CLASS_TILE[name], ROW_PLANS=False)
+                                      CLASS_TILE=_config.CLASS_TILE[_config.KIND[name]], ROW_PLANS=False)
                         label = f"{path}{'L' if lattice else ''}"
                     try:
                         r = compile_sm90(fn, _types(fn, dt), consts, c.num_warps, c.num_stages, _aligned(fn))
@@ -309,6 +311,32 @@ def section_designs(args) -> None:
               f"counts by one-hot: D0 {tot['alu_D0_on_OH32'] / max(o, 1):.1f} -> OH32 {4 * 32 / P + MASK_OPS:.1f}")
 
 
+def section_narrow(args) -> None:
+    """Score elements the label-compare launch visits (its class tiles: R > R_MAX on 128 query rows)
+    with the tiles it may use: the count costs ~2 s ALU ops per score there, so the count's work
+    falls with the visited scores."""
+    import poslsh
+    from poslsh.ops.triton import _config, _plan
+
+    H, S, n = args.heads, args.samples, args.n
+    sig = poslsh.alibi_sigmas(H)
+    parts = poslsh.sample_partitions(sig, S, seed=0)
+    C = _config.CLASS_TILE["fwd"]
+    _, _, Rc = _plan.tile_ranges(parts.widths, parts.offsets, n, C, True)
+    compare = Rc > _config.R_MAX
+    print(f"\n== label-compare launch (narrow heads): {H} ALiBi heads, s = {S}, n = {n}, causal ==")
+    print("  share of class tiles on the compare launch per head (sigma: share): "
+          + ", ".join(f"{float(sig[h]):.0f}: {float(compare[h].float().mean()):.2f}" for h in range(H)))
+    base = None
+    for P, T in [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32)]:
+        lo, hi, _ = _plan.tile_ranges(parts.widths, parts.offsets, n, P, True)
+        nt = (torch.clamp(hi - lo, min=0) + T - 1) // T
+        mine = compare.repeat_interleave(C // P, dim=1)[:, :nt.shape[1]]
+        scores = float((nt * mine).sum()) * P * T
+        base = base or scores
+        print(f"  forward / dq tiles {P:>3} x {T:<3}: {scores / 1e6:6.0f}M scores visited ({scores / base:.2f}x of 128 x 64)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile", action="store_true")
@@ -331,6 +359,7 @@ def main(argv=None) -> int:
         section_launches(args)
     if args.designs:
         section_designs(args)
+        section_narrow(args)
     if args.compile:
         ok = section_compile(args)
     return 0 if ok else 1

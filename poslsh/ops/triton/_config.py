@@ -55,30 +55,43 @@ def _cfg(bm, bn, warps, stages):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-# The first entry of each list is the default when autotuning is off. Query tiles of
-# 128 rows (fwd, dq) keep the one-hot count's K = R_MAX = 32 for blocks wider than ~40
-# positions (docs/triton.md, "count designs"); dk/dv programs own 64 keys.
+# The first entry of each list is the default when autotuning is off: the largest tiles that
+# spill nothing for bf16 d = 128 under triton 3.6 and 3.9 (benchmarks/triton_static.py; the
+# table in docs/triton.md). Which count a tile takes is decided on 128 query rows (fwd, dq) or
+# 64 keys (dk/dv): CLASS_TILE below.
 # Forward: BLOCK_M query rows per program, BLOCK_N keys per step.
-FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)]
+FWD_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
 # dk/dv: BLOCK_N keys per program, BLOCK_M queries per step.
-DKDV_CONFIGS = [_cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
+DKDV_CONFIGS = [_cfg(32, 32, 4, 3), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
 # dq: BLOCK_M queries per program, BLOCK_N keys per step.
-DQ_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
+DQ_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
 # Which launch (one-hot or compare) runs a tile is decided on the CLASS_TILE positions holding it
 # (forward / dq: query rows; dk/dv: keys), whatever tile a launch uses (<= the class tile).
 CLASS_TILE = {"fwd": 128, "dq": 128, "dkdv": 64}
-assert all(max(c.kwargs["BLOCK_N" if k == "dkdv" else "BLOCK_M"] for c in cs) <= CLASS_TILE[k]
-           for k, cs in (("fwd", FWD_CONFIGS), ("dkdv", DKDV_CONFIGS), ("dq", DQ_CONFIGS)))
-# The window op's kernels (no count: fewer live registers) tune over the same lists.
+# The label-compare launches (PATH 2: narrow heads, every sample cuts every class tile) tile
+# smaller: their count costs ~2 s ALU ops per score, so fewer wasted scores around a narrow band
+# pay more than tensor-core efficiency (docs/triton.md, "Narrow heads").
+FWD_COMPARE_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 32, 8, 2)]
+DKDV_COMPARE_CONFIGS = [_cfg(32, 32, 4, 3), _cfg(32, 32, 8, 3)]
+DQ_COMPARE_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3)]
+# The window op's kernels (no count: fewer live registers) tune over the forward's lists.
 CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS,
+           "fwd/compare": FWD_COMPARE_CONFIGS, "dkdv/compare": DKDV_COMPARE_CONFIGS, "dq/compare": DQ_COMPARE_CONFIGS,
            "wfwd": FWD_CONFIGS, "wdkdv": DKDV_CONFIGS, "wdq": DQ_CONFIGS}
-KIND = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "wfwd": "fwd", "wdkdv": "dkdv", "wdq": "dq"}
+KIND = {name: name.split("/")[0].lstrip("w") for name in CONFIGS}     # the kernel family of a list
 # Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
 # tiles, no software pipelining.
 FALLBACK = {name: _cfg(32, 32, 4, 1) for name in KIND}
 TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE", "ROW_PLANS"]
 WINDOW_TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "HAS_DOCS"]
 TUNE_KEYS = {name: WINDOW_TUNE_KEY if name.startswith("w") else TUNE_KEY for name in KIND}
+assert all(c.kwargs["BLOCK_N" if KIND[k] == "dkdv" else "BLOCK_M"] <= CLASS_TILE[KIND[k]]
+           for k, cs in CONFIGS.items() for c in cs + [FALLBACK[k]])
+
+
+def list_name(kernel: str, path) -> str:
+    """The configuration list of a launch: its own for the label-compare launch (``PATH`` 2)."""
+    return f"{kernel}/compare" if path == 2 and f"{kernel}/compare" in CONFIGS else kernel
 
 
 def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int, elem: int,

@@ -116,9 +116,10 @@ KERNEL_FNS = {"fwd": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_k
 
 
 def _autotuned(name: str):
+    """The autotuner of configuration list ``name`` (:data:`._config.CONFIGS`)."""
     fn = _tuned.get(name)
     if fn is None:
-        kernel = getattr(kernels(False), KERNEL_FNS[name])
+        kernel = getattr(kernels(False), KERNEL_FNS[name.split("/")[0]])
         fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEYS[name],
                              prune_configs_by={"early_config_prune": _config.pruner(name)})(kernel)
         _tuned[name] = fn
@@ -130,11 +131,14 @@ def _check_blocks(bm: int, bn: int) -> None:
         raise ValueError(f"tile sizes must be powers of two >= 16, got {(bm, bn)}")
 
 
-def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, int]], common: dict, q: Tensor):
+def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, int]], common: dict, q: Tensor,
+                      path=None):
     """``(kernel, [meta, ...])``: the kernel and the launch options to try in order
     (explicit tiles under the interpreter or with ``blocks``; the pruned configuration
-    list when autotuning is off; the autotuner, with no options, otherwise)."""
+    list of the launch (``PATH`` 2 has its own) when autotuning is off; the autotuner, with no
+    options, otherwise)."""
     raw = getattr(kernels(interpret), KERNEL_FNS[name])
+    name = _config.list_name(name, path)
     if interpret or blocks is not None:
         bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[_config.KIND[name]]
         _check_blocks(bm, bn)
@@ -153,9 +157,9 @@ def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, in
 def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor, paths=None) -> None:
     """Launch kernel ``name`` once per count path (``paths=(None,)``: a kernel without one);
     without autotuning, the first configuration that fits."""
-    kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q)
     from triton.runtime.errors import OutOfResources
     for path in split_paths(interpret) if paths is None else paths:
+        kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q, path)
         extra = {} if path is None else {"PATH": path, "CLASS_TILE": _config.CLASS_TILE[name]}
         for i, meta in enumerate(metas):
             try:
