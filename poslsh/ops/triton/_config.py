@@ -9,9 +9,10 @@ them yet (see docs/triton.md).
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+from torch import Tensor
 import triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -155,3 +156,37 @@ def pruner(kernel: str):
     def early_config_prune(configs, named_args, **kwargs):
         return prune(kernel, configs, named_args, **kwargs)
     return early_config_prune
+
+
+# ------------------------------------------------------------------ input checks
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
+    """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
+    problem = version_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D [batch, heads, seqlen, head_dim]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the triton backend takes float16, bfloat16 or float32 q/k/v of one dtype, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, n, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    if k.shape != (B, Hkv, n, d) or v.shape[:3] != (B, Hkv, n):
+        raise ValueError(f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got d={d}, dv={dv}")
+    if n < 1 or n >= 2 ** 31 - 2 * 128:
+        raise ValueError(f"seqlen must be in [1, 2^31 - 256), got {n}")
+    if widths.dim() != 2 or widths.shape != offsets.shape or widths.shape[0] != Hq:
+        raise ValueError(f"partitions must be [Hq={Hq}, s], got widths {tuple(widths.shape)}, "
+                         f"offsets {tuple(offsets.shape)}")
+    S = widths.shape[1]
+    if S < 1 or Hq * S * n >= 2 ** 31 * 16:
+        raise ValueError(f"need 1 <= s and a plan of H * s * n < 2^35 labels, got H={Hq}, s={S}, n={n}")
+    if widths.device != q.device or offsets.device != q.device or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v and the partitions must be on one device")
+    if B * Hq * triton.cdiv(n, 16) >= 2 ** 31:
+        raise ValueError(f"batch x heads x tiles must stay below 2^31 (one grid axis), got B={B}, H={Hq}, n={n}")
+    return B, Hq, Hkv, n, d, dv, S

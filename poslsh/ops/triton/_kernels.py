@@ -1,4 +1,5 @@
-"""Triton kernels for positional-LSH attention: the plan, forward, backward.
+"""Triton kernels for positional-LSH attention (the plan, forward, backward) and for exact
+ALiBi cut at per-head windows (forward, backward).
 
 The estimator is one softmax with the additive bias ``log(count_ik / s)``, where
 ``count_ik`` is the number of samples in which positions ``i`` and ``k`` share a
@@ -35,8 +36,10 @@ The sample loops are runtime loops over ``S`` (chunks of ``SC`` samples for the
 vector parts), so one compiled kernel serves every ``s``.
 
 Numerics: scores in the log2 domain (``qk_scale = scale * log2(e)``), fp32
-accumulators, online softmax; ``lse_i = log2 sum_k (count_ik / s) 2^(qk_ik)``
-(base 2, includes ``1/s``), so ``p = 2^(qk - lse - log2 s) * count``.
+accumulators, online softmax; ``lse_i = log2 sum_k count_ik 2^(qk_ik)`` rounded to fp32 and
+``lse_lo`` what that rounding lost, so the backward's ``p = 2^(fma(qk, c, -lse) - lse_lo) count``
+is the forward's (docs/triton.md, "Accuracy"). Packed documents: one plan per batch row
+(``ROW_PLANS``). The window op's kernels are at the end.
 
 This module is loaded twice at most by :mod:`._launch`: once compiled
 (``triton.jit``), once under the interpreter (``TRITON_INTERPRET=1``).

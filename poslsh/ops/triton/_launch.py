@@ -13,10 +13,9 @@ Triton picks interpreter or compiler when a function is *decorated*, so the
 kernel module is executed once per mode (with the variable set accordingly) and
 kept; nothing global is left changed.
 
-Launches per call on a GPU: forward 2 (one-hot programs, label-compare programs;
-+1 the first time a plan is built), backward 5 (``delta``, dk/dv x 2, dq x 2); one
-per kernel under the interpreter or with ``POSLSH_TRITON_SPLIT=0``. Every launch goes through :func:`_launch`, which counts
-them in :data:`LAUNCHES` and pins CUDA launches to the tensors' device.
+Launches per call on a GPU: forward 2 (one-hot, label-compare; +1 the first time a plan is
+built), backward 5 (``delta``, dk/dv x 2, dq x 2); one per kernel under the interpreter or with
+``POSLSH_TRITON_SPLIT=0``. :func:`_launch` counts them (:data:`LAUNCHES`) and pins the device.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from torch import Tensor
 import triton
 
 from . import _config, _plan
-from ._config import MAX_HEAD_DIM, R_MAX, SAMPLE_CHUNK, SUPPORTED_DTYPES  # noqa: F401
+from ._config import MAX_HEAD_DIM, R_MAX, SAMPLE_CHUNK, SUPPORTED_DTYPES, check_inputs  # noqa: F401
 
 _lock = threading.Lock()
 _modules: Dict[bool, ModuleType] = {}
@@ -181,39 +180,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "ieee" if torch.version.hip else "tf32x3"
-
-
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
-    """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
-    problem = _config.version_problem()
-    if problem is not None:
-        raise RuntimeError(problem)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be 4-D [batch, heads, seqlen, head_dim]")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the triton backend takes float16, bfloat16 or float32 q/k/v of one dtype, "
-                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Hq, n, d = q.shape
-    Hkv, dv = k.shape[1], v.shape[-1]
-    if k.shape != (B, Hkv, n, d) or v.shape[:3] != (B, Hkv, n):
-        raise ValueError(f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
-        raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got d={d}, dv={dv}")
-    if n < 1 or n >= 2 ** 31 - 2 * 128:
-        raise ValueError(f"seqlen must be in [1, 2^31 - 256), got {n}")
-    if widths.dim() != 2 or widths.shape != offsets.shape or widths.shape[0] != Hq:
-        raise ValueError(f"partitions must be [Hq={Hq}, s], got widths {tuple(widths.shape)}, "
-                         f"offsets {tuple(offsets.shape)}")
-    S = widths.shape[1]
-    if S < 1 or Hq * S * n >= 2 ** 31 * 16:
-        raise ValueError(f"need 1 <= s and a plan of H * s * n < 2^35 labels, got H={Hq}, s={S}, n={n}")
-    if widths.device != q.device or offsets.device != q.device or k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v and the partitions must be on one device")
-    if B * Hq * triton.cdiv(n, 16) >= 2 ** 31:
-        raise ValueError(f"batch x heads x tiles must stay below 2^31 (one grid axis), got B={B}, H={Hq}, n={n}")
-    return B, Hq, Hkv, n, d, dv, S
 
 
 def use_tma(interpret: bool, *tensors: Tensor) -> bool:
