@@ -24,7 +24,7 @@ import poslsh  # noqa: E402
 from poslsh.ops.triton import _config  # noqa: E402
 
 NAMES = ("out", "dq", "dk", "dv")
-FLOOR = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # a few ulps of O(1) values
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}   # ~1 ulp of O(1) values
 
 
 @pytest.fixture

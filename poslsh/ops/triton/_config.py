@@ -159,7 +159,8 @@ def pruner(kernel: str):
 
 
 # ------------------------------------------------------------------ input checks
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor,
+                 offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
     """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
     problem = version_problem()
     if problem is not None:

@@ -426,7 +426,8 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         if PATH == 1:
             acc, l_i, m_i = _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride,
-                                        IDSh, S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
+                                        IDSh, S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
+                                        CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
                                         HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
             acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
@@ -481,7 +482,8 @@ def _bwd_pre_kernel(O, DO, DLSE, DELTA, sob, soh, son, sdb, sdh, sdn, n, n_tiles
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo, nt, phi_k, bs, be,
+def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo, nt,
+               phi_k, bs, be,
                qk_scale, offs_d, offs_dv,
                CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -512,7 +514,8 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, N
 
 
 @triton.jit
-def _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_n,
+def _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
+                 offs_n,
                  n0, nlast, qlo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
                  CAUSAL: tl.constexpr, R_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -575,7 +578,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ
             KSh = KSZ + h64 * NC
             if PATH == 1:
                 dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
-                                      gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
+                                      gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale, offs_d,
+                                      offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                                       DOT_PREC, USE_TMA)
             elif PATH == 2:
                 dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo,
@@ -786,7 +790,8 @@ def _win_fwd_kernel(Q, K, V, WIN, SLOPE, ORDER, START, END, Out, LSE, LSE_LO,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _stream_tile(Kb, n0, offs_n, skn, offs_d, n, D, HEAD_DIM, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m, _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
+        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m,
+                         _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
                          CAUSAL, HAS_DOCS, False)
         m_new = tl.maximum(m_i, tl.reduce(s2, 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -906,7 +911,8 @@ def _win_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, WIN, SLOPE, ORDER, START, EN
         k = _stream_tile(Kb, n0, offs_n, skn, offs_d, n, D, HEAD_DIM, USE_TMA)
         v = _stream_tile(Vb, n0, offs_n, svn, offs_dv, n, DV, HEAD_DV, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m, _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
+        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m,
+                         _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
                          CAUSAL, HAS_DOCS, False)
         p = tl.exp2((s2 - lse[:, None]) - lse_lo[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)

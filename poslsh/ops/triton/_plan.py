@@ -220,7 +220,7 @@ def _version(t: Tensor) -> int:
 
 
 class PlanCache:
-    """Plans by (widths, offsets, n, group, groups): a hit needs the *same* tensor objects at the
+    """Plans by (widths, offsets, n, group, groups, documents): a hit needs the *same* tensor objects at the
     same version (an in-place change makes a new plan), entries die with their
     tensors, and at most ``size`` are kept (least recently used goes first; a plan
     holds ``~4.5 s`` bytes per (head, position)). Thread-safe: autograd runs the
