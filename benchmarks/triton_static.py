@@ -36,9 +36,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 PTR = {"Q", "K", "V", "Out", "DO", "DK", "DVt", "DQ"}
-I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ"}
-F32_PTR = {"LSE", "DELTA"}
-FLOATS = {"qk_scale", "sm_scale", "log2S"}
+I32_PTR = {"IDS", "GRAN", "ORDER", "LAT", "KSZ", "WIN", "START", "END"}
+F32_PTR = {"LSE", "LSE_LO", "DELTA", "DLSE", "SLOPE"}
+FLOATS = {"qk_scale", "sm_scale"}
 
 
 def compile_sm90(fn, types: dict, consts: dict, warps: int, stages: int, aligned=()) -> dict:
@@ -101,14 +101,15 @@ def section_compile(args) -> bool:
     from poslsh.ops.triton import _config, _launch
 
     mod = _launch.kernels(False)
-    fns = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}
+    # every configuration list: "fwd" (one-hot launches, PATH 1), "fwd/compare" (PATH 2), "wfwd" (window), ...
+    fns = {name: getattr(mod, _launch.KERNEL_FNS[name.split("/")[0]]) for name in _config.CONFIGS}
     limit = _config.DEFAULT_SMEM
     ok = True
     d = args.head_dim
     print(f"\n== compile for sm_90 (triton {triton.__version__}): d = {d}, causal, TMA loads, any s "
           f"(runtime sample loop), R_MAX = {_config.R_MAX}; smem limit {limit // 1024} KiB ==")
     print("path 1: one-hot count programs, path 2: label-compare programs (two launches); path 0: one kernel with "
-          "both; L: grouped partitions (lattice counts)")
+          "both; L: grouped partitions (lattice counts); w*: the window op's kernels (wD: packed documents)")
     print(f"{'kernel':>6} {'dtype':>5} {'BM x BN/warps/stages':>32} {'path':>4} {'regs':>5} {'spill st/ld (B)':>16} "
           f"{'smem KiB':>9} {'model KiB':>9} {'pruned':>7} {'compile s':>9}")
     dtypes = ["bf16"] if args.quick else ["bf16", "fp32"]
@@ -127,11 +128,18 @@ def section_compile(args) -> bool:
                     print(f"{name:>6} {dt:>5} {cfg:>32} {'-':>4} {'-':>5} {'-':>16} {'-':>9} {est / 1024:>9.0f} "
                           f"{'yes':>7} {'-':>9}", flush=True)
                     continue
-                for path, lattice in paths:
-                    consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, R_MAX=_config.R_MAX,
-                                  SC=_config.SAMPLE_CHUNK, PATH=path, DOT_PREC="tf32x3" if dt == "fp32" else "tf32",
-                                  BLOCK_M=bm, BLOCK_N=bn, LATTICE=lattice)
-                    label = f"{path}{'L' if lattice else ''}"
+                window = name.startswith("w")
+                mine = [(p, lat) for p, lat in paths if (p == 2) == name.endswith("/compare")]
+                for path, lattice in ([("w", False), ("w", True)] if window else mine):
+                    consts = dict(CAUSAL=True, D=d, DV=d, HEAD_DIM=d, HEAD_DV=d, USE_TMA=True, BLOCK_M=bm, BLOCK_N=bn,
+                                  DOT_PREC="tf32x3" if dt == "fp32" else "tf32")
+                    if window:      # lattice stands for packed documents here
+                        consts.update(HAS_DOCS=lattice)
+                        label = "wD" if lattice else "w"
+                    else:
+                        consts.update(R_MAX=_config.R_MAX, SC=_config.SAMPLE_CHUNK, PATH=path, LATTICE=lattice,
+                                      CLASS_TILE=_config.CLASS_TILE[_config.KIND[name]], ROW_PLANS=False)
+                        label = f"{path}{'L' if lattice else ''}"
                     try:
                         r = compile_sm90(fn, _types(fn, dt), consts, c.num_warps, c.num_stages, _aligned(fn))
                     except Exception as e:  # noqa: BLE001 - reported, and a failure
@@ -141,7 +149,7 @@ def section_compile(args) -> bool:
                         continue
                     # kept configurations must fit the model (fallbacks: the SM); 16-bit ones must not spill much
                     bad = (not pruned) and (r["smem"] > (limit if fallback else est)
-                                            or (path and dt != "fp32" and r["spill_st"] > args.max_spill))
+                                            or (path != 0 and dt != "fp32" and r["spill_st"] > args.max_spill))
                     ok = ok and not bad
                     print(f"{name:>6} {dt:>5} {cfg:>32} {label:>4} {r['regs']:>5} {r['spill_st']:>7}/{r['spill_ld']:<8} "
                           f"{r['smem'] / 1024:>9.1f} {est / 1024:>9.0f} {'yes' if pruned else 'no':>7} "
@@ -155,12 +163,25 @@ def section_compile(args) -> bool:
 
 
 def section_launches(args) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
+    # triton is imported before the interpreter is requested: triton decorates its own helpers
+    # (tl.max, ...) for one mode when it is first imported, and the compile section needs them
+    # compiled. The variable is only needed while the CPU tensors run (why_not), and is restored.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import poslsh
     from poslsh.ops.triton import _launch, _plan
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        _count_launches(args, poslsh, _launch, _plan, TorchDispatchMode)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
+
+def _count_launches(args, poslsh, _launch, _plan, TorchDispatchMode) -> None:
     class _Ops(TorchDispatchMode):        # aten ops that launch a kernel on a GPU (no views / allocations)
         def __init__(self):
             super().__init__()
@@ -290,6 +311,32 @@ def section_designs(args) -> None:
               f"counts by one-hot: D0 {tot['alu_D0_on_OH32'] / max(o, 1):.1f} -> OH32 {4 * 32 / P + MASK_OPS:.1f}")
 
 
+def section_narrow(args) -> None:
+    """Score elements the label-compare launch visits (its class tiles: R > R_MAX on 128 query rows)
+    with the tiles it may use: the count costs ~2 s ALU ops per score there, so the count's work
+    falls with the visited scores."""
+    import poslsh
+    from poslsh.ops.triton import _config, _plan
+
+    H, S, n = args.heads, args.samples, args.n
+    sig = poslsh.alibi_sigmas(H)
+    parts = poslsh.sample_partitions(sig, S, seed=0)
+    C = _config.CLASS_TILE["fwd"]
+    _, _, Rc = _plan.tile_ranges(parts.widths, parts.offsets, n, C, True)
+    compare = Rc > _config.R_MAX
+    print(f"\n== label-compare launch (narrow heads): {H} ALiBi heads, s = {S}, n = {n}, causal ==")
+    print("  share of class tiles on the compare launch per head (sigma: share): "
+          + ", ".join(f"{float(sig[h]):.0f}: {float(compare[h].float().mean()):.2f}" for h in range(H)))
+    base = None
+    for P, T in [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32)]:
+        lo, hi, _ = _plan.tile_ranges(parts.widths, parts.offsets, n, P, True)
+        nt = (torch.clamp(hi - lo, min=0) + T - 1) // T
+        mine = compare.repeat_interleave(C // P, dim=1)[:, :nt.shape[1]]
+        scores = float((nt * mine).sum()) * P * T
+        base = base or scores
+        print(f"  forward / dq tiles {P:>3} x {T:<3}: {scores / 1e6:6.0f}M scores visited ({scores / base:.2f}x of 128 x 64)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile", action="store_true")
@@ -312,6 +359,7 @@ def main(argv=None) -> int:
         section_launches(args)
     if args.designs:
         section_designs(args)
+        section_narrow(args)
     if args.compile:
         ok = section_compile(args)
     return 0 if ok else 1

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for positional-LSH attention (the ``"triton"`` backend).
+"""Fused Triton kernels for positional-LSH attention and for exact ALiBi in per-head windows
+(the ``"triton"`` backend of the ``"sequence"`` and ``"window"`` ops).
 
 Importing this package registers the backend with :mod:`poslsh.ops.registry` when
 triton is installed, and does nothing otherwise. The backend runs
@@ -26,9 +27,11 @@ AVAILABLE = triton is not None
 if AVAILABLE:
     from ..registry import register_backend
     from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES, version_problem
-    from ._ops import attention, triton_attention_bwd, triton_attention_fwd
+    from ._ops import (attention, triton_attention_bwd, triton_attention_fwd, triton_window_bwd,
+                       triton_window_fwd, window_attention)
 
-    __all__ += ["attention", "triton_attention_fwd", "triton_attention_bwd", "is_available"]
+    __all__ += ["attention", "window_attention", "triton_attention_fwd", "triton_attention_bwd",
+                "triton_window_fwd", "triton_window_bwd", "is_available"]
 
     def why_not(q) -> Optional[str]:
         """None for CUDA tensors (fp16/bf16/fp32, head dim <= 256) and CPU tensors under
@@ -45,10 +48,18 @@ if AVAILABLE:
         return why_not(q) is None
 
     def _sequence(call):
-        return attention(call.q, call.k, call.v, call.positional, causal=call.causal, scale=call.scale), None
+        return attention(call.q, call.k, call.v, call.positional, causal=call.causal, scale=call.scale,
+                         return_lse=True, documents=call.documents)
+
+    def _window(call):
+        return window_attention(call.q, call.k, call.v, call.positional, causal=call.causal, scale=call.scale,
+                                return_lse=True, documents=call.documents)
 
     # "auto" picks the kernel for CUDA tensors only (on CPU it runs under the interpreter: tests),
     # and only with a triton it can run on; backend="triton" on an older one raises the reason.
+    # Not supported: queries and keys at given positions ("spans": decoding, context parallelism).
     _TOO_OLD = version_problem() is not None
-    register_backend("triton", _sequence, op="sequence", why_not=why_not,
+    FEATURES = ("documents", "lse")
+    register_backend("triton", _sequence, op="sequence", features=FEATURES, why_not=why_not,
                      preferred=lambda q: q.is_cuda and not _TOO_OLD, priority=10)
+    register_backend("triton", _window, op="window", features=FEATURES)

@@ -9,9 +9,10 @@ them yet (see docs/triton.md).
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+from torch import Tensor
 import triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,20 +56,43 @@ def _cfg(bm, bn, warps, stages):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-# The first entry of each list is the default when autotuning is off. Query tiles of
-# 128 rows (fwd, dq) keep the one-hot count's K = R_MAX = 32 for blocks wider than ~40
-# positions (docs/triton.md, "count designs"); dk/dv programs own 64 keys.
+# The first entry of each list is the default when autotuning is off: the largest tiles that
+# spill nothing for bf16 d = 128 under triton 3.6 and 3.9 (benchmarks/triton_static.py; the
+# table in docs/triton.md). Which count a tile takes is decided on 128 query rows (fwd, dq) or
+# 64 keys (dk/dv): CLASS_TILE below.
 # Forward: BLOCK_M query rows per program, BLOCK_N keys per step.
-FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3)]
+FWD_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
 # dk/dv: BLOCK_N keys per program, BLOCK_M queries per step.
-DKDV_CONFIGS = [_cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
+DKDV_CONFIGS = [_cfg(32, 32, 4, 3), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 2), _cfg(16, 64, 4, 3)]
 # dq: BLOCK_M queries per program, BLOCK_N keys per step.
-DQ_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
-CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}
+DQ_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
+# Which launch (one-hot or compare) runs a tile is decided on the CLASS_TILE positions holding it
+# (forward / dq: query rows; dk/dv: keys), whatever tile a launch uses (<= the class tile).
+CLASS_TILE = {"fwd": 128, "dq": 128, "dkdv": 64}
+# The label-compare launches (PATH 2: narrow heads, every sample cuts every class tile) tile
+# smaller: their count costs ~2 s ALU ops per score, so fewer wasted scores around a narrow band
+# pay more than tensor-core efficiency (docs/triton.md, "Narrow heads").
+FWD_COMPARE_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 32, 8, 2)]
+DKDV_COMPARE_CONFIGS = [_cfg(32, 32, 4, 3), _cfg(32, 32, 8, 3)]
+DQ_COMPARE_CONFIGS = [_cfg(64, 32, 8, 3), _cfg(128, 32, 8, 3)]
+# The window op's kernels (no count: fewer live registers) tune over the forward's lists.
+CONFIGS = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS,
+           "fwd/compare": FWD_COMPARE_CONFIGS, "dkdv/compare": DKDV_COMPARE_CONFIGS, "dq/compare": DQ_COMPARE_CONFIGS,
+           "wfwd": FWD_CONFIGS, "wdkdv": DKDV_CONFIGS, "wdq": DQ_CONFIGS}
+KIND = {name: name.split("/")[0].lstrip("w") for name in CONFIGS}     # the kernel family of a list
 # Used only when pruning drops a whole list (fp32 with d = 128, any dtype with d = 256): small
 # tiles, no software pipelining.
-FALLBACK = {"fwd": _cfg(32, 32, 4, 1), "dkdv": _cfg(32, 32, 4, 1), "dq": _cfg(32, 32, 4, 1)}
-TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE"]
+FALLBACK = {name: _cfg(32, 32, 4, 1) for name in KIND}
+TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "PATH", "LATTICE", "ROW_PLANS"]
+WINDOW_TUNE_KEY = ["N_KEY", "CAUSAL", "D", "DV", "DOT_PREC", "USE_TMA", "HAS_DOCS"]
+TUNE_KEYS = {name: WINDOW_TUNE_KEY if name.startswith("w") else TUNE_KEY for name in KIND}
+assert all(c.kwargs["BLOCK_N" if KIND[k] == "dkdv" else "BLOCK_M"] <= CLASS_TILE[KIND[k]]
+           for k, cs in CONFIGS.items() for c in cs + [FALLBACK[k]])
+
+
+def list_name(kernel: str, path) -> str:
+    """The configuration list of a launch: its own for the label-compare launch (``PATH`` 2)."""
+    return f"{kernel}/compare" if path == 2 and f"{kernel}/compare" in CONFIGS else kernel
 
 
 def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int, elem: int,
@@ -76,7 +100,9 @@ def smem_estimate(kernel: str, bm: int, bn: int, stages: int, hd: int, hdv: int,
     """Shared memory (bytes) a configuration needs, from its tiles: the program's own
     tile, ``stages`` buffers of the streamed tiles, the one-hot operand and layout
     scratch. An upper bound of what triton allocated for every configuration that
-    ``benchmarks/triton_static.py`` compiled for sm_90 (it prints both)."""
+    ``benchmarks/triton_static.py`` compiled for sm_90 (it prints both). ``kernel``: a launch
+    name (:data:`KIND`; the window op's kernels hold less: an upper bound for them too)."""
+    kernel = KIND.get(kernel, kernel)
     if kernel == "fwd":      # Q [bm, hd]; K, V [bn, hd + hdv] x stages; P / one-hot staging
         own, stream, extra = bm * hd, bn * (hd + hdv), bm * bn + r_max * bn
     elif kernel == "dq":     # Q, dO [bm, hd + hdv]; K, V [bn, hd + hdv] x stages
@@ -130,3 +156,38 @@ def pruner(kernel: str):
     def early_config_prune(configs, named_args, **kwargs):
         return prune(kernel, configs, named_args, **kwargs)
     return early_config_prune
+
+
+# ------------------------------------------------------------------ input checks
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor,
+                 offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
+    """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
+    problem = version_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D [batch, heads, seqlen, head_dim]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the triton backend takes float16, bfloat16 or float32 q/k/v of one dtype, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, n, d = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    if k.shape != (B, Hkv, n, d) or v.shape[:3] != (B, Hkv, n):
+        raise ValueError(f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got d={d}, dv={dv}")
+    if n < 1 or n >= 2 ** 31 - 2 * 128:
+        raise ValueError(f"seqlen must be in [1, 2^31 - 256), got {n}")
+    if widths.dim() != 2 or widths.shape != offsets.shape or widths.shape[0] != Hq:
+        raise ValueError(f"partitions must be [Hq={Hq}, s], got widths {tuple(widths.shape)}, "
+                         f"offsets {tuple(offsets.shape)}")
+    S = widths.shape[1]
+    if S < 1 or Hq * S * n >= 2 ** 31 * 16:
+        raise ValueError(f"need 1 <= s and a plan of H * s * n < 2^35 labels, got H={Hq}, s={S}, n={n}")
+    if widths.device != q.device or offsets.device != q.device or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v and the partitions must be on one device")
+    if B * Hq * triton.cdiv(n, 16) >= 2 ** 31:
+        raise ValueError(f"batch x heads x tiles must stay below 2^31 (one grid axis), got B={B}, H={Hq}, n={n}")
+    return B, Hq, Hkv, n, d, dv, S

@@ -1,4 +1,5 @@
-"""Triton kernels for positional-LSH attention: the plan, forward, backward.
+"""Triton kernels for positional-LSH attention (the plan, forward, backward) and for exact
+ALiBi cut at per-head windows (forward, backward).
 
 The estimator is one softmax with the additive bias ``log(count_ik / s)``, where
 ``count_ik`` is the number of samples in which positions ``i`` and ``k`` share a
@@ -35,8 +36,10 @@ The sample loops are runtime loops over ``S`` (chunks of ``SC`` samples for the
 vector parts), so one compiled kernel serves every ``s``.
 
 Numerics: scores in the log2 domain (``qk_scale = scale * log2(e)``), fp32
-accumulators, online softmax; ``lse_i = log2 sum_k (count_ik / s) 2^(qk_ik)``
-(base 2, includes ``1/s``), so ``p = 2^(qk - lse - log2 s) * count``.
+accumulators, online softmax; ``lse_i = log2 sum_k count_ik 2^(qk_ik)`` rounded to fp32 and
+``lse_lo`` what that rounding lost, so the backward's ``p = 2^(fma(qk, c, -lse) - lse_lo) count``
+is the forward's (docs/triton.md, "Accuracy"). Packed documents: one plan per batch row
+(``ROW_PLANS``). The window op's kernels are at the end.
 
 This module is loaded twice at most by :mod:`._launch`: once compiled
 (``triton.jit``), once under the interpreter (``TRITON_INTERPRET=1``).
@@ -54,7 +57,7 @@ _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 # Runtime integer arguments whose value-based specialisation (== 1, % 16 == 0) buys
 # nothing: loop bounds, head counts, the autotuning key. One compile serves all values.
-_NO_SPEC = ["S", "NC", "N_KEY", "G", "B", "Hq", "Hkv", "n_gran", "gran_stride"]
+_NO_SPEC = ["S", "NC", "N_KEY", "G", "B", "Hq", "Hkv", "n_gran", "gran_stride", "ids_bs", "gran_bs", "lat_bs"]
 
 
 # --------------------------------------------------------------------------- plan
@@ -201,6 +204,21 @@ def _tile_R(IDS, h, n, S, p0, plast, SC: tl.constexpr):
 
 
 @triton.jit
+def _class_R(IDS, h, n, S, p0, R, CLASS_TILE: tl.constexpr, TILE: tl.constexpr, SC: tl.constexpr,
+             PATH: tl.constexpr):
+    """The ``R`` that decides which launch runs a program (``PATH`` 1 / 2): that of the
+    ``CLASS_TILE`` positions holding its tile of ``TILE`` (the launches may tile differently: the
+    one-hot launch and the compare launch are tuned apart), so that every tile is run by exactly
+    one launch (the program's own ``R`` is ``<=``). Its own ``R`` when the tiles are the class
+    tiles (the default configurations: an extra sample loop costs ~250 B of spills) or with ``PATH`` 0."""
+    if PATH != 0:
+        if TILE != CLASS_TILE:
+            c0 = p0 // CLASS_TILE * CLASS_TILE
+            R = _tile_R(IDS, h, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC)
+    return R
+
+
+@triton.jit
 def _takes(R, R_MAX: tl.constexpr, PATH: tl.constexpr):
     """Whether a program whose tile has ``R`` blocks runs in a launch of kind ``PATH``:
     0 both (the count is chosen inside), 1 one-hot only (``R <= R_MAX``), 2 compares only."""
@@ -315,10 +333,18 @@ def _program(pid, n_tiles, B, H, ORDER, ORDER_OFF):
     return tile, b, h
 
 
+@triton.jit
+def _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs):
+    """The plan of batch row ``b``: packed documents give every row its own (strides 0: one
+    plan for all rows)."""
+    b64 = b.to(tl.int64)
+    return IDS + b64 * ids_bs, GRAN + b64 * gran_bs, LAT + b64 * lat_bs
+
+
 # --------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
-              qk_scale, log2S, offs_d, offs_dv,
+              qk_scale, offs_d, offs_dv,
               CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
@@ -334,10 +360,11 @@ def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, 
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
-        qk = tl.where(w > 0.5, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+        m_new = tl.maximum(m_i, tl.reduce(tl.where(w > 0.5, qk * qk_scale, float("-inf")), 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - (m_safe + log2S)[:, None]) * w
+        # one rounding (the fma's), of a small number: the exponent loses nothing to the
+        # magnitude of the logits, and the backward recomputes it the same way
+        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -m_safe[:, None])) * w, 0.0)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
@@ -349,26 +376,28 @@ def _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, 
 
 @triton.jit
 def _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_m, m0,
-                mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv,
+                mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
                 CAUSAL: tl.constexpr, R_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, m0, mlast, R, tr, jr, R_MAX, BLOCK_M)
     phi_q = _onehot(offs_m, bs, be, True)
     return _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
-                     qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV,
+                     qk_scale, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV,
                      HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE,
+def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE, LSE_LO,
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                n, n_gran, gran_stride, B, Hq, G, S, NC, qk_scale, log2S, N_KEY,
+                n, n_gran, gran_stride, ids_bs, gran_bs, lat_bs, B, Hq, G, S, NC, qk_scale, N_KEY,
                 CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                 R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     kvh = h // G
     m0 = tile * BLOCK_M
     mlast = tl.minimum(m0 + BLOCK_M, n) - 1
@@ -380,7 +409,7 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE,
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(R, R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, BLOCK_M, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         Qb = Q + b64 * sqb + h.to(tl.int64) * sqh
         Kb = K + b64 * skb + kvh.to(tl.int64) * skh
@@ -397,22 +426,22 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         if PATH == 1:
             acc, l_i, m_i = _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride,
-                                        IDSh, S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, log2S,
-                                        offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
+                                        IDSh, S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
+                                        CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
                                         HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
             acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
-                                      qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
+                                      qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
                                       HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         else:
             if R <= R_MAX:
                 acc, l_i, m_i = _fwd_onehot(acc, l_i, m_i, q, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran,
                                             gran_stride, IDSh, S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale,
-                                            log2S, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV,
+                                            offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV,
                                             HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
             else:
                 acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr,
-                                          jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
+                                          jr, qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV,
                                           HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         rmask = offs_m < n
         l_safe = tl.where(rmask, l_i, 1.0)
@@ -420,15 +449,23 @@ def _fwd_kernel(Q, K, V, IDS, GRAN, ORDER, LAT, KSZ, Out, LSE,
         Ob = Out + b64 * sob + h.to(tl.int64) * soh
         optrs = Ob + offs_m.to(tl.int64)[:, None] * son + offs_dv[None, :]
         tl.store(optrs, out.to(Out.dtype.element_ty), mask=rmask[:, None] & (offs_dv < DV)[None, :])
-        lse = m_i + tl.log2(l_safe)
+        # lse = m + log2 l rounded to float32, and what that rounding lost (m - lse is exact):
+        # the backward recomputes p from both, as the forward normalised it (docs/triton.md)
+        l2 = tl.log2(l_safe)
+        m_i = tl.where(rmask, m_i, 0.0)
+        lse = m_i + l2
         tl.store(LSE + (b64 * Hq + h) * n + offs_m, lse, mask=rmask)
+        tl.store(LSE_LO + (b64 * Hq + h) * n + offs_m, (m_i - lse) + l2, mask=rmask)
 
 
 # --------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["n_tiles", "B", "Hq"])
-def _bwd_pre_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, n, n_tiles, B, Hq,
-                    DV: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK: tl.constexpr):
-    """``delta_i = sum_d out_id * dout_id`` (fp32); 1-D grid over (tile, batch x head)."""
+def _bwd_pre_kernel(O, DO, DLSE, DELTA, sob, soh, son, sdb, sdh, sdn, n, n_tiles, B, Hq, dlse_scale,
+                    DV: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``delta_i = sum_d out_id * dout_id - dlse_scale * dlse_i`` (fp32; the ``dlse`` term only
+    with ``HAS_DLSE``): ``ds = p (dp - delta)`` then includes the gradient through the lse
+    (``d lse_i / d s_ij = p_ij``, ``dlse_scale`` converts the lse's base). 1-D grid over
+    (tile, batch x head)."""
     pid = tl.program_id(0)
     tile = pid % n_tiles
     bh = pid // n_tiles
@@ -439,12 +476,15 @@ def _bwd_pre_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, n, n_tiles, B, H
     o = _load_tile(O + b * sob + h * soh, offs, son, offs_dv, n, DV, HEAD_DV)
     do = _load_tile(DO + b * sdb + h * sdh, offs, sdn, offs_dv, n, DV, HEAD_DV)
     delta = tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, _SUM)
+    if HAS_DLSE:
+        delta -= dlse_scale * tl.load(DLSE + bh.to(tl.int64) * n + offs, mask=offs < n, other=0.0)
     tl.store(DELTA + bh.to(tl.int64) * n + offs, delta, mask=offs < n)
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo, nt, phi_k, bs, be,
-               qk_scale, log2S, offs_d, offs_dv,
+def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo, nt,
+               phi_k, bs, be,
+               qk_scale, offs_d, offs_dv,
                CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
                USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
@@ -455,8 +495,9 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, of
         do = _stream_tile(DOb, m0, offs_m, sdn, offs_dv, n, DV, HEAD_DV, USE_TMA)
         qmask = offs_m < n
         lse = tl.load(LSEb + offs_m, mask=qmask, other=0.0)
+        lse_lo = tl.load(LOb + offs_m, mask=qmask, other=0.0)
         delta = tl.load(DELb + offs_m, mask=qmask, other=0.0)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale          # [BLOCK_N, BLOCK_M]
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)                     # [BLOCK_N, BLOCK_M]
         if ONEHOT:
             w = tl.dot(phi_k, _onehot(offs_m, bs, be, False))
         else:
@@ -464,7 +505,7 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, of
         if CAUSAL:
             if m0 < nlast:
                 w = tl.where(offs_m[None, :] >= offs_n[:, None], w, 0.0)
-        pT = tl.where(w > 0.5, tl.exp2(qkT - (lse + log2S)[None, :]) * w, 0.0)
+        pT = tl.where(w > 0.5, tl.exp2(tl.fma(qkT, qk_scale, -lse[None, :]) - lse_lo[None, :]) * w, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
@@ -473,37 +514,41 @@ def _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, of
 
 
 @triton.jit
-def _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_n,
-                 n0, nlast, qlo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv,
+def _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
+                 offs_n,
+                 n0, nlast, qlo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
                  CAUSAL: tl.constexpr, R_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, n0, nlast, R, tr, jr, R_MAX, BLOCK_N)
     phi_k = _onehot(offs_n, bs, be, True)
-    return _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDSh, IDSh, n, S, offs_n, n0, nlast, qlo, nt,
-                      phi_k, bs, be, qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_M, D, DV,
+    return _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDSh, IDSh, n, S, offs_n, n0, nlast, qlo, nt,
+                      phi_k, bs, be, qk_scale, offs_d, offs_dv, CAUSAL, True, BLOCK_M, D, DV,
                       HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DK, DVt,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DK, DVt,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                     n, n_gran, gran_stride, B, Hq, Hkv, G, S, NC, qk_scale, sm_scale, log2S, N_KEY,
+                     n, n_gran, gran_stride, ids_bs, gran_bs, lat_bs, B, Hq, Hkv, G, S, NC, qk_scale, sm_scale, N_KEY,
                      CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                      R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch, kv head): dk, dv of the tile, summed over
     the ``G`` query heads of the group (each with its own partitions): no atomics.
     With ``PATH`` 1 / 2 a program runs when all / not all of its heads take the one-hot count."""
     tile, b, kvh = _program(tl.program_id(0), (n + BLOCK_N - 1) // BLOCK_N, B, Hkv, ORDER, Hq)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     n0 = tile * BLOCK_N
     nlast = tl.minimum(n0 + BLOCK_N, n) - 1
     Rm = n0 * 0
     if PATH != 0:
+        c0 = n0 // CLASS_TILE * CLASS_TILE      # the class tile (== the program's with the default tiles)
         for g in range(G):
-            Rm = tl.maximum(Rm, _tile_R(IDS, kvh * G + g, n, S, n0, nlast, SC))
+            Rm = tl.maximum(Rm, _tile_R(IDS, kvh * G + g, n, S, c0, tl.minimum(c0 + CLASS_TILE, n) - 1, SC))
     if _takes(Rm, R_MAX, PATH):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -526,28 +571,29 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DK, DV
                 Qb = tl.make_tensor_descriptor(Qb, shape=[n, D], strides=[sqn, 1], block_shape=[BLOCK_M, HEAD_DIM])
                 DOb = tl.make_tensor_descriptor(DOb, shape=[n, DV], strides=[sdn, 1], block_shape=[BLOCK_M, HEAD_DV])
             LSEb = LSE + (b64 * Hq + h64) * n
+            LOb = LSE_LO + (b64 * Hq + h64) * n
             DELb = DELTA + (b64 * Hq + h64) * n
             IDSh = IDS + h64 * S * n
             CMPh = LAT + h64 * NC * n
             KSh = KSZ + h64 * NC
             if PATH == 1:
-                dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
-                                      gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale, log2S,
-                                      offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
+                dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
+                                      gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale, offs_d,
+                                      offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                                       DOT_PREC, USE_TMA)
             elif PATH == 2:
-                dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo,
-                                    nt, tr, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_M, D, DV,
+                dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast, qlo,
+                                    nt, tr, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_M, D, DV,
                                     HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
             else:
                 if R <= R_MAX:
-                    dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
+                    dk, dv = _dkdv_onehot(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, IDS, GRAN, h, n, n_gran,
                                           gran_stride, IDSh, S, offs_n, n0, nlast, qlo, nt, R, tr, jr, qk_scale,
-                                          log2S, offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
+                                          offs_d, offs_dv, CAUSAL, R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM,
                                           HEAD_DV, DOT_PREC, USE_TMA)
                 else:
-                    dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast,
-                                        qlo, nt, tr, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_M,
+                    dk, dv = _dkdv_loop(dk, dv, k, v, Qb, DOb, LSEb, LOb, DELb, sqn, sdn, CMPh, KSh, n, NC, offs_n, n0, nlast,
+                                        qlo, nt, tr, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_M,
                                         D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA, LATTICE)
         nmask = offs_n < n
         dk = dk * sm_scale
@@ -559,7 +605,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DK, DV
 
 @triton.jit
 def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, phi_q, bs, be,
-             qk_scale, log2S, offs_d, offs_dv,
+             qk_scale, offs_d, offs_dv,
              CAUSAL: tl.constexpr, ONEHOT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
              DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
              USE_TMA: tl.constexpr, LATTICE: tl.constexpr):
@@ -568,7 +614,7 @@ def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, 
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _stream_tile(Kb, n0, offs_n, skn, offs_d, n, D, HEAD_DIM, USE_TMA)
         v = _stream_tile(Vb, n0, offs_n, svn, offs_dv, n, DV, HEAD_DV, USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if ONEHOT:
             w = tl.dot(phi_q, _onehot(offs_n, bs, be, False))
         else:
@@ -576,7 +622,7 @@ def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, 
         if CAUSAL:
             if n0 + BLOCK_N - 1 > m0:
                 w = tl.where(offs_n[None, :] <= offs_m[:, None], w, 0.0)
-        p = tl.where(w > 0.5, tl.exp2(qk - (lse + log2S)[:, None]) * w, 0.0)
+        p = tl.where(w > 0.5, tl.exp2(tl.fma(qk, qk_scale, -lse[:, None])) * w, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -585,27 +631,29 @@ def _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, 
 
 @triton.jit
 def _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S, offs_m, m0,
-               mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv,
+               mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv,
                CAUSAL: tl.constexpr, R_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr):
     bs, be = _block_bounds(IDS, GRAN, h, n, n_gran, gran_stride, S, m0, mlast, R, tr, jr, R_MAX, BLOCK_M)
     phi_q = _onehot(offs_m, bs, be, True)
     return _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDSh, IDSh, n, S, offs_m, m0, lo, nt, phi_q, bs, be,
-                    qk_scale, log2S, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
+                    qk_scale, offs_d, offs_dv, CAUSAL, True, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                     DOT_PREC, USE_TMA, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DQ,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sdqb, sdqh, sdqn,
-                   n, n_gran, gran_stride, B, Hq, G, S, NC, qk_scale, sm_scale, log2S, N_KEY,
+                   n, n_gran, gran_stride, ids_bs, gran_bs, lat_bs, B, Hq, G, S, NC, qk_scale, sm_scale, N_KEY,
                    CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                    R_MAX: tl.constexpr, SC: tl.constexpr, PATH: tl.constexpr, LATTICE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   CLASS_TILE: tl.constexpr, ROW_PLANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch, query head): dq, over the forward's key range."""
     tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
+    if ROW_PLANS:     # constexpr: derived pointers take registers that kernel arguments do not
+        IDS, GRAN, LAT = _row_plan(IDS, GRAN, LAT, b, ids_bs, gran_bs, lat_bs)
     kvh = h // G
     m0 = tile * BLOCK_M
     mlast = tl.minimum(m0 + BLOCK_M, n) - 1
@@ -617,7 +665,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DQ,
         hi = tl.minimum(hi, mlast + 1)
     nt = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
 
-    if _takes(R, R_MAX, PATH):
+    if _takes(_class_R(IDS, h, n, S, m0, R, CLASS_TILE, BLOCK_M, SC, PATH), R_MAX, PATH):
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         q = _load_tile(Q + b64 * sqb + h64 * sqh, offs_m, sqn, offs_d, n, D, HEAD_DIM)
@@ -636,21 +684,240 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, IDS, GRAN, ORDER, LAT, KSZ, DQ,
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         if PATH == 1:
             dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh, S,
-                            offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL, R_MAX,
+                            offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL, R_MAX,
                             BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
         elif PATH == 2:
             dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
-                          qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
+                          qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                           DOT_PREC, USE_TMA, LATTICE)
         else:
             if R <= R_MAX:
                 dq = _dq_onehot(dq, q, do, lse, delta, Kb, Vb, skn, svn, IDS, GRAN, h, n, n_gran, gran_stride, IDSh,
-                                S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, log2S, offs_d, offs_dv, CAUSAL,
+                                S, offs_m, m0, mlast, lo, nt, R, tr, jr, qk_scale, offs_d, offs_dv, CAUSAL,
                                 R_MAX, BLOCK_M, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV, DOT_PREC, USE_TMA)
             else:
                 dq = _dq_loop(dq, q, do, lse, delta, Kb, Vb, skn, svn, CMPh, KSh, n, NC, offs_m, m0, lo, nt, tr, tr, jr,
-                              qk_scale, log2S, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
+                              qk_scale, offs_d, offs_dv, CAUSAL, False, BLOCK_N, D, DV, HEAD_DIM, HEAD_DV,
                               DOT_PREC, USE_TMA, LATTICE)
-        dq = dq * sm_scale
+        # p = 2^(fma(qk, c, -lse) - lse_lo) count: the row factor 2^-lse_lo applied once, here
+        lse_lo = tl.load(LSE_LO + (b64 * Hq + h64) * n + offs_m, mask=rmask, other=0.0)   # loaded late: registers
+        dq = dq * (sm_scale * tl.exp2(-lse_lo))[:, None]
         dqp = DQ + b64 * sdqb + h64 * sdqh + offs_m.to(tl.int64)[:, None] * sdqn + offs_d[None, :]
         tl.store(dqp, dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])
+
+
+# --------------------------------------------------------------------------- windowed ALiBi
+# Exact ALiBi cut at a window per head: head h keeps the keys with |i - j| <= w_h (and j <= i when
+# causal; the query's own document with packed documents) and adds -m_h |i - j| to their logits.
+# One range per tile: a query tile [m0, mlast] attends to keys [m0 - w_h, mlast + w_h] (clipped to
+# the sequence, the causal diagonal and the tile's documents), the bias comes from positions and the
+# slope in the kernel: no plan, no count. Numerics as above (base 2, fp32, lse + lse_lo).
+@triton.jit
+def _win_range(WIN, START, END, sdb, b, h, p0, plast, n, CAUSAL: tl.constexpr, TRANSPOSE: tl.constexpr,
+               HAS_DOCS: tl.constexpr):
+    """``w_h`` and the range ``[lo, hi)`` of the other side's positions that tile ``[p0, plast]``
+    can meet (query tiles: keys; ``TRANSPOSE``: key tiles, queries)."""
+    w = tl.load(WIN + h)
+    lo = tl.maximum(p0 - w, 0)
+    hi = tl.minimum(plast + w + 1, n)
+    if CAUSAL:
+        if TRANSPOSE:
+            lo = tl.maximum(lo, p0)
+        else:
+            hi = tl.minimum(hi, plast + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(START + b.to(tl.int64) * sdb + p0))
+        hi = tl.minimum(hi, tl.load(END + b.to(tl.int64) * sdb + plast))
+    return w, lo, hi
+
+
+@triton.jit
+def _win_scores(qk, rows, cols, w, slope2, qk_scale, n, DOCr, DOCc, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                TRANSPOSE: tl.constexpr):
+    """Base-2 biased logits of a ``[rows, cols]`` tile, rows queries and columns keys (``TRANSPOSE``:
+    the other way round): ``qk * qk_scale - slope2 |i - j|`` where the key counts, ``-inf``
+    elsewhere. ``DOCr``/``DOCc``: the document starts of rows and columns (``HAS_DOCS``)."""
+    dist = tl.abs(rows[:, None] - cols[None, :])
+    keep = (dist <= w) & (cols < n)[None, :] & (rows < n)[:, None]
+    if CAUSAL:
+        if TRANSPOSE:
+            keep = keep & (rows[:, None] <= cols[None, :])
+        else:
+            keep = keep & (cols[None, :] <= rows[:, None])
+    if HAS_DOCS:
+        keep = keep & (DOCr[:, None] == DOCc[None, :])
+    return tl.where(keep, qk * qk_scale - slope2 * dist.to(tl.float32), float("-inf"))
+
+
+@triton.jit
+def _win_docs(START, sdb, b, offs, n, HAS_DOCS: tl.constexpr):
+    if HAS_DOCS:
+        d = tl.load(START + b.to(tl.int64) * sdb + offs, mask=offs < n, other=-1)
+    else:
+        d = offs
+    return d
+
+
+@triton.jit(do_not_specialize=["B", "Hq", "G", "N_KEY"])
+def _win_fwd_kernel(Q, K, V, WIN, SLOPE, ORDER, START, END, Out, LSE, LSE_LO,
+                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sxb,
+                    n, B, Hq, G, qk_scale, N_KEY,
+                    CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, HAS_DOCS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
+    kvh = h // G
+    m0 = tile * BLOCK_M
+    mlast = tl.minimum(m0 + BLOCK_M, n) - 1
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DV)
+    w, lo, hi = _win_range(WIN, START, END, sxb, b, h, m0, mlast, n, CAUSAL, False, HAS_DOCS)
+    slope2 = tl.load(SLOPE + h)
+    doc_m = _win_docs(START, sxb, b, offs_m, n, HAS_DOCS)
+    b64 = b.to(tl.int64)
+    Kb = K + b64 * skb + kvh.to(tl.int64) * skh
+    Vb = V + b64 * svb + kvh.to(tl.int64) * svh
+    if USE_TMA:
+        Kb = tl.make_tensor_descriptor(Kb, shape=[n, D], strides=[skn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        Vb = tl.make_tensor_descriptor(Vb, shape=[n, DV], strides=[svn, 1], block_shape=[BLOCK_N, HEAD_DV])
+    q = _load_tile(Q + b64 * sqb + h.to(tl.int64) * sqh, offs_m, sqn, offs_d, n, D, HEAD_DIM)
+    acc = tl.full([BLOCK_M, HEAD_DV], 0.0, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for j in range(0, (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N):
+        n0 = lo + j * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _stream_tile(Kb, n0, offs_n, skn, offs_d, n, D, HEAD_DIM, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m,
+                         _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
+                         CAUSAL, HAS_DOCS, False)
+        m_new = tl.maximum(m_i, tl.reduce(s2, 1, _MAX))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s2 - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        acc = acc * alpha[:, None]
+        v = _stream_tile(Vb, n0, offs_n, svn, offs_dv, n, DV, HEAD_DV, USE_TMA)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    rmask = offs_m < n
+    l_safe = tl.where(rmask, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    optrs = Out + b64 * sob + h.to(tl.int64) * soh + offs_m.to(tl.int64)[:, None] * son + offs_dv[None, :]
+    tl.store(optrs, out.to(Out.dtype.element_ty), mask=rmask[:, None] & (offs_dv < DV)[None, :])
+    l2 = tl.log2(l_safe)
+    m_i = tl.where(rmask, m_i, 0.0)
+    lse = m_i + l2
+    tl.store(LSE + (b64 * Hq + h) * n + offs_m, lse, mask=rmask)
+    tl.store(LSE_LO + (b64 * Hq + h) * n + offs_m, (m_i - lse) + l2, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["B", "Hq", "Hkv", "G", "N_KEY"])
+def _win_dkdv_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, WIN, SLOPE, ORDER, START, END, DK, DVt,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, sxb,
+                     n, B, Hq, Hkv, G, qk_scale, sm_scale, N_KEY,
+                     CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, HAS_DOCS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key tile, batch, kv head): dk, dv summed over the ``G`` query heads of the
+    group, each over its own window's query range: no atomics."""
+    tile, b, kvh = _program(tl.program_id(0), (n + BLOCK_N - 1) // BLOCK_N, B, Hkv, ORDER, Hq)
+    n0 = tile * BLOCK_N
+    nlast = tl.minimum(n0 + BLOCK_N, n) - 1
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DV)
+    b64 = b.to(tl.int64)
+    doc_n = _win_docs(START, sxb, b, offs_n, n, HAS_DOCS)
+    k = _load_tile(K + b64 * skb + kvh.to(tl.int64) * skh, offs_n, skn, offs_d, n, D, HEAD_DIM)
+    v = _load_tile(V + b64 * svb + kvh.to(tl.int64) * svh, offs_n, svn, offs_dv, n, DV, HEAD_DV)
+    dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, HEAD_DV], 0.0, dtype=tl.float32)
+    for g in range(G):
+        h = kvh * G + g
+        w, qlo, qhi = _win_range(WIN, START, END, sxb, b, h, n0, nlast, n, CAUSAL, True, HAS_DOCS)
+        slope2 = tl.load(SLOPE + h)
+        h64 = h.to(tl.int64)
+        Qb = Q + b64 * sqb + h64 * sqh
+        DOb = DO + b64 * sdb + h64 * sdh
+        if USE_TMA:
+            Qb = tl.make_tensor_descriptor(Qb, shape=[n, D], strides=[sqn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+            DOb = tl.make_tensor_descriptor(DOb, shape=[n, DV], strides=[sdn, 1], block_shape=[BLOCK_M, HEAD_DV])
+        row = (b64 * Hq + h64) * n
+        for j in range(0, (tl.maximum(qhi - qlo, 0) + BLOCK_M - 1) // BLOCK_M):
+            m0 = qlo + j * BLOCK_M
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            qmask = offs_m < n
+            q = _stream_tile(Qb, m0, offs_m, sqn, offs_d, n, D, HEAD_DIM, USE_TMA)
+            do = _stream_tile(DOb, m0, offs_m, sdn, offs_dv, n, DV, HEAD_DV, USE_TMA)
+            lse = tl.load(LSE + row + offs_m, mask=qmask, other=0.0)
+            lse_lo = tl.load(LSE_LO + row + offs_m, mask=qmask, other=0.0)
+            delta = tl.load(DELTA + row + offs_m, mask=qmask, other=0.0)
+            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)                      # [BLOCK_N, BLOCK_M]
+            sT = _win_scores(qkT, offs_n, offs_m, w, slope2, qk_scale, n, doc_n,
+                             _win_docs(START, sxb, b, offs_m, n, HAS_DOCS), CAUSAL, HAS_DOCS, True)
+            pT = tl.exp2((sT - lse[None, :]) - lse_lo[None, :])
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    nmask = offs_n < n
+    dk = dk * sm_scale
+    dkp = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + offs_n.to(tl.int64)[:, None] * sdkn + offs_d[None, :]
+    tl.store(dkp, dk.to(DK.dtype.element_ty), mask=nmask[:, None] & (offs_d < D)[None, :])
+    dvp = DVt + b64 * sdvb + kvh.to(tl.int64) * sdvh + offs_n.to(tl.int64)[:, None] * sdvn + offs_dv[None, :]
+    tl.store(dvp, dv.to(DVt.dtype.element_ty), mask=nmask[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit(do_not_specialize=["B", "Hq", "G", "N_KEY"])
+def _win_dq_kernel(Q, K, V, DO, LSE, LSE_LO, DELTA, WIN, SLOPE, ORDER, START, END, DQ,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sdqb, sdqh, sdqn, sxb,
+                   n, B, Hq, G, qk_scale, sm_scale, N_KEY,
+                   CAUSAL: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch, query head): dq over the forward's key range."""
+    tile, b, h = _program(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, B, Hq, ORDER, 0)
+    kvh = h // G
+    m0 = tile * BLOCK_M
+    mlast = tl.minimum(m0 + BLOCK_M, n) - 1
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DV)
+    w, lo, hi = _win_range(WIN, START, END, sxb, b, h, m0, mlast, n, CAUSAL, False, HAS_DOCS)
+    slope2 = tl.load(SLOPE + h)
+    doc_m = _win_docs(START, sxb, b, offs_m, n, HAS_DOCS)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q = _load_tile(Q + b64 * sqb + h64 * sqh, offs_m, sqn, offs_d, n, D, HEAD_DIM)
+    do = _load_tile(DO + b64 * sdb + h64 * sdh, offs_m, sdn, offs_dv, n, DV, HEAD_DV)
+    rmask = offs_m < n
+    row = (b64 * Hq + h64) * n
+    lse = tl.load(LSE + row + offs_m, mask=rmask, other=0.0)
+    lse_lo = tl.load(LSE_LO + row + offs_m, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + row + offs_m, mask=rmask, other=0.0)
+    Kb = K + b64 * skb + kvh.to(tl.int64) * skh
+    Vb = V + b64 * svb + kvh.to(tl.int64) * svh
+    if USE_TMA:
+        Kb = tl.make_tensor_descriptor(Kb, shape=[n, D], strides=[skn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        Vb = tl.make_tensor_descriptor(Vb, shape=[n, DV], strides=[svn, 1], block_shape=[BLOCK_N, HEAD_DV])
+    dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    for j in range(0, (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N):
+        n0 = lo + j * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _stream_tile(Kb, n0, offs_n, skn, offs_d, n, D, HEAD_DIM, USE_TMA)
+        v = _stream_tile(Vb, n0, offs_n, svn, offs_dv, n, DV, HEAD_DV, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s2 = _win_scores(qk, offs_m, offs_n, w, slope2, qk_scale, n, doc_m,
+                         _win_docs(START, sxb, b, offs_n, n, HAS_DOCS),
+                         CAUSAL, HAS_DOCS, False)
+        p = tl.exp2((s2 - lse[:, None]) - lse_lo[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    dq = dq * sm_scale
+    dqp = DQ + b64 * sdqb + h64 * sdqh + offs_m.to(tl.int64)[:, None] * sdqn + offs_d[None, :]
+    tl.store(dqp, dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])

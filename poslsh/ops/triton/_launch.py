@@ -13,10 +13,9 @@ Triton picks interpreter or compiler when a function is *decorated*, so the
 kernel module is executed once per mode (with the variable set accordingly) and
 kept; nothing global is left changed.
 
-Launches per call on a GPU: forward 2 (one-hot programs, label-compare programs;
-+1 the first time a plan is built), backward 5 (``delta``, dk/dv x 2, dq x 2); one
-per kernel under the interpreter or with ``POSLSH_TRITON_SPLIT=0``. Every launch goes through :func:`_launch`, which counts
-them in :data:`LAUNCHES` and pins CUDA launches to the tensors' device.
+Launches per call on a GPU: forward 2 (one-hot, label-compare; +1 the first time a plan is
+built), backward 5 (``delta``, dk/dv x 2, dq x 2); one per kernel under the interpreter or with
+``POSLSH_TRITON_SPLIT=0``. :func:`_launch` counts them (:data:`LAUNCHES`) and pins the device.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from torch import Tensor
 import triton
 
 from . import _config, _plan
-from ._config import MAX_HEAD_DIM, R_MAX, SAMPLE_CHUNK, SUPPORTED_DTYPES  # noqa: F401
+from ._config import MAX_HEAD_DIM, R_MAX, SAMPLE_CHUNK, SUPPORTED_DTYPES, check_inputs  # noqa: F401
 
 _lock = threading.Lock()
 _modules: Dict[bool, ModuleType] = {}
@@ -110,12 +109,17 @@ def _launch(name: str, kernel, grid, args, meta: dict, device_tensor: Tensor) ->
 
 
 # ------------------------------------------------------------------ autotuning
+# launch name -> kernel (positional LSH; "w...": the window op's)
+KERNEL_FNS = {"fwd": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel",
+              "wfwd": "_win_fwd_kernel", "wdkdv": "_win_dkdv_kernel", "wdq": "_win_dq_kernel"}
+
+
 def _autotuned(name: str):
+    """The autotuner of configuration list ``name`` (:data:`._config.CONFIGS`)."""
     fn = _tuned.get(name)
     if fn is None:
-        mod = kernels(False)
-        kernel = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
-        fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEY,
+        kernel = getattr(kernels(False), KERNEL_FNS[name.split("/")[0]])
+        fn = triton.autotune(configs=_config.CONFIGS[name], key=_config.TUNE_KEYS[name],
                              prune_configs_by={"early_config_prune": _config.pruner(name)})(kernel)
         _tuned[name] = fn
     return fn
@@ -126,15 +130,19 @@ def _check_blocks(bm: int, bn: int) -> None:
         raise ValueError(f"tile sizes must be powers of two >= 16, got {(bm, bn)}")
 
 
-def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, int]], common: dict, q: Tensor):
+def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, int]], common: dict, q: Tensor,
+                      path=None):
     """``(kernel, [meta, ...])``: the kernel and the launch options to try in order
     (explicit tiles under the interpreter or with ``blocks``; the pruned configuration
-    list when autotuning is off; the autotuner, with no options, otherwise)."""
-    mod = kernels(interpret)
-    raw = {"fwd": mod._fwd_kernel, "dkdv": mod._bwd_dkdv_kernel, "dq": mod._bwd_dq_kernel}[name]
+    list of the launch (``PATH`` 2 has its own) when autotuning is off; the autotuner, with no
+    options, otherwise)."""
+    raw = getattr(kernels(interpret), KERNEL_FNS[name])
+    name = _config.list_name(name, path)
     if interpret or blocks is not None:
-        bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[name]
+        bm, bn = blocks if blocks is not None else INTERPRET_BLOCKS[_config.KIND[name]]
         _check_blocks(bm, bn)
+        if max(bm, bn) > _config.CLASS_TILE[_config.KIND[name]]:
+            raise ValueError(f"tiles {(bm, bn)} larger than the class tile {_config.CLASS_TILE[_config.KIND[name]]}")
         meta = {"BLOCK_M": bm, "BLOCK_N": bn}
         if not interpret:
             meta.update(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=2)
@@ -145,15 +153,16 @@ def _kernel_and_metas(name: str, interpret: bool, blocks: Optional[Tuple[int, in
     return _autotuned(name), [{}]
 
 
-def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor) -> None:
-    """Launch kernel ``name`` once per count path; without autotuning, the first
-    configuration that fits."""
-    kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q)
+def _run(name: str, interpret: bool, blocks, grid, args, common: dict, q: Tensor, paths=None) -> None:
+    """Launch kernel ``name`` once per count path (``paths=(None,)``: a kernel without one);
+    without autotuning, the first configuration that fits."""
     from triton.runtime.errors import OutOfResources
-    for path in split_paths(interpret):
+    for path in split_paths(interpret) if paths is None else paths:
+        kernel, metas = _kernel_and_metas(name, interpret, blocks, common, q, path)
+        extra = {} if path is None else {"PATH": path, "CLASS_TILE": _config.CLASS_TILE[name]}
         for i, meta in enumerate(metas):
             try:
-                _launch(name, kernel, grid, args, dict(meta, PATH=path, **common), q)
+                _launch(name, kernel, grid, args, dict(meta, **extra, **common), q)
                 break
             except OutOfResources:
                 if i == len(metas) - 1:
@@ -171,39 +180,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "ieee" if torch.version.hip else "tf32x3"
-
-
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor) -> Tuple[int, int, int, int, int, int, int]:
-    """Kernel constraints, checked with messages; returns ``B, Hq, Hkv, n, d, dv, s``."""
-    problem = _config.version_problem()
-    if problem is not None:
-        raise RuntimeError(problem)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be 4-D [batch, heads, seqlen, head_dim]")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the triton backend takes float16, bfloat16 or float32 q/k/v of one dtype, "
-                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Hq, n, d = q.shape
-    Hkv, dv = k.shape[1], v.shape[-1]
-    if k.shape != (B, Hkv, n, d) or v.shape[:3] != (B, Hkv, n):
-        raise ValueError(f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
-        raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got d={d}, dv={dv}")
-    if n < 1 or n >= 2 ** 31 - 2 * 128:
-        raise ValueError(f"seqlen must be in [1, 2^31 - 256), got {n}")
-    if widths.dim() != 2 or widths.shape != offsets.shape or widths.shape[0] != Hq:
-        raise ValueError(f"partitions must be [Hq={Hq}, s], got widths {tuple(widths.shape)}, "
-                         f"offsets {tuple(offsets.shape)}")
-    S = widths.shape[1]
-    if S < 1 or Hq * S * n >= 2 ** 31 * 16:
-        raise ValueError(f"need 1 <= s and a plan of H * s * n < 2^35 labels, got H={Hq}, s={S}, n={n}")
-    if widths.device != q.device or offsets.device != q.device or k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v and the partitions must be on one device")
-    if B * Hq * triton.cdiv(n, 16) >= 2 ** 31:
-        raise ValueError(f"batch x heads x tiles must stay below 2^31 (one grid axis), got B={B}, H={Hq}, n={n}")
-    return B, Hq, Hkv, n, d, dv, S
 
 
 def use_tma(interpret: bool, *tensors: Tensor) -> bool:
@@ -282,7 +258,7 @@ def _count_args(p: _plan.Plan, S: int) -> Tuple[Tensor, Tensor, int]:
     the samples' block labels (``KSZ`` then unused)."""
     if p.lat is None:
         return p.ids, p.ids, S
-    return p.lat, p.ksz, p.lat.shape[1]
+    return p.lat, p.ksz, p.lat.shape[-2]
 
 
 def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret: bool, lattice: bool) -> dict:
@@ -290,7 +266,7 @@ def _meta(q: Tensor, n: int, d: int, dv: int, causal: bool, tma: bool, interpret
         _ensure_allocator()
     return dict(CAUSAL=bool(causal), D=d, DV=dv, HEAD_DIM=_pow2(d), HEAD_DV=_pow2(dv),
                 DOT_PREC=dot_precision(q.dtype), USE_TMA=bool(tma), R_MAX=ONEHOT_MAX["r_max"], SC=SAMPLE_CHUNK,
-                LATTICE=bool(lattice))
+                LATTICE=bool(lattice), ROW_PLANS=False)
 
 
 def _n_key(n: int) -> int:
@@ -298,43 +274,80 @@ def _n_key(n: int) -> int:
 
 
 def _plan_args(p: _plan.Plan, n: int):
-    return (n, p.gran.shape[-1], p.gran[0].numel())
+    """``n, n_gran, gran_stride`` and the per-batch-row strides of ``ids``, ``gran`` and the
+    compare path's labels (0: one plan for every row)."""
+    ids_bs, gran_bs, lat_bs = _plan.row_strides(p)
+    return (n, p.gran.shape[-1], p.gran[0].numel(), ids_bs, gran_bs, lat_bs)
+
+
+def _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end) -> _plan.Plan:
+    if doc_start is None:
+        return get_plan(widths, offsets, n, G, groups)
+    if doc_end is None or doc_start.shape != doc_end.shape or doc_start.dim() != 2 or doc_start.shape[1] != n:
+        raise ValueError(f"doc_start / doc_end must both be int64 [B, n={n}]")
+    return _plan.cached(widths, offsets, n, G, lambda: _plan.document_plan(widths, offsets, n, G, doc_start, doc_end,
+                                                                           groups),
+                        groups=groups, documents=doc_start)
 
 
 # ------------------------------------------------------------------ forward
 def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-            blocks: Optional[Tuple[int, int]] = None, groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``out [B, Hq, n, dv]`` (q.dtype) and ``lse [B, Hq, n]`` (fp32, log2 domain, incl. ``1/s``)."""
+            blocks: Optional[Tuple[int, int]] = None, groups: Optional[Tensor] = None,
+            doc_start: Optional[Tensor] = None, doc_end: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``out [B, Hq, n, dv]`` (q.dtype), ``lse [B, Hq, n]`` (fp32, base 2, of the weights ``count``:
+    ``log2 sum_k count_ik 2^(qk_ik)``) and ``lse_lo`` (fp32: what rounding ``lse`` to fp32 lost,
+    for the backward). ``doc_start`` / ``doc_end``: packed documents (:class:`poslsh.documents.Documents`)."""
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     G = Hq // Hkv
     interpret = use_interpreter(q)
     out = torch.empty(B, Hq, n, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
+    lse_lo = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
     if B == 0:
-        return out, lse
-    p = get_plan(widths, offsets, n, G, groups)
+        return out, lse, lse_lo
+    p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
     lat, ksz, NC = _count_args(p, S)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret, p.lat is not None)
+    common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
-         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse,
+         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse, lse_lo,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), math.log2(S), _n_key(n)), common, q)
-    return out, lse
+          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), _n_key(n)), common, q)
+    return out, lse, lse_lo
 
 
 # ------------------------------------------------------------------ backward
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def delta_pre(out: Tensor, dout: Tensor, dlse: Optional[Tensor], interpret: bool) -> Tensor:
+    """``delta = rowsum(dout * out) - log2(e) dlse`` (fp32 ``[B, Hq, n]``): ``dlse`` is the
+    gradient of the base-2 lse (``d lse_i / d s_ij = p_ij / ln 2``)."""
+    B, Hq, n, dv = out.shape
+    delta = torch.empty(B, Hq, n, dtype=torch.float32, device=out.device)
+    has = dlse is not None
+    dl = dlse.to(torch.float32).contiguous() if has else delta
+    PRE = 64
+    nt_pre = triton.cdiv(n, PRE)
+    _launch("bwd_pre", kernels(interpret)._bwd_pre_kernel, (nt_pre * B * Hq,),
+            (out, dout, dl, delta, out.stride(0), out.stride(1), out.stride(2),
+             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq, math.log2(math.e)),
+            dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE, HAS_DLSE=has), out)
+    return delta
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_lo: Tensor,
              widths: Tensor, offsets: Tensor, causal: bool, scale: float,
-             blocks: Optional[Dict[str, Tuple[int, int]]] = None,
-             groups: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             blocks: Optional[Dict[str, Tuple[int, int]]] = None, groups: Optional[Tensor] = None,
+             dlse: Optional[Tensor] = None, doc_start: Optional[Tensor] = None,
+             doc_end: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` from the forward's ``out, lse, lse_lo``; ``dlse``: the gradient of the
+    (base-2) lse, or None."""
     B, Hq, Hkv, n, d, dv, S = check_inputs(q, k, v, widths, offsets)
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    lse = lse.contiguous()
+    lse, lse_lo = lse.contiguous(), lse_lo.contiguous()
     G = Hq // Hkv
     interpret = use_interpreter(q)
     dq = torch.empty(B, Hq, n, d, dtype=q.dtype, device=q.device)
@@ -342,33 +355,27 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     dvv = torch.empty(B, Hkv, n, dv, dtype=v.dtype, device=q.device)
     if B == 0:
         return dq, dk, dvv
-    p = get_plan(widths, offsets, n, G, groups)
+    p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
     lat, ksz, NC = _count_args(p, S)
-    mod = kernels(interpret)
-    delta = torch.empty(B, Hq, n, dtype=torch.float32, device=q.device)
-    PRE = 64
-    nt_pre = triton.cdiv(n, PRE)
-    _launch("bwd_pre", mod._bwd_pre_kernel, (nt_pre * B * Hq,),
-            (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq),
-            dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE), q)
+    delta = delta_pre(out, dout, dlse, interpret)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret, p.lat is not None)
+    common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _run("dkdv", interpret, blocks.get("dkdv"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
+         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
 
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("dq", interpret, blocks.get("dq"), grid,
-         (q, k, v, dout, lse, delta, p.ids, p.gran, p.order, lat, ksz, dq,
+         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dq,
           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
           v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
           dq.stride(0), dq.stride(1), dq.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, math.log2(S), _n_key(n)), common, q)
+          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
     return dq, dk, dvv

@@ -51,20 +51,24 @@ class Plan(NamedTuple):
 MAX_LATTICE_INDEX = 2 ** 30
 
 
-def block_ids(widths: Tensor, offsets: Tensor, n: int) -> Tensor:
+def block_ids(widths: Tensor, offsets: Tensor, n: int, positions: Optional[Tensor] = None) -> Tensor:
     """int32 ``[H, s, n]`` block labels: :func:`poslsh.partitions.block_labels` in chunks
-    (equal to ``Partitions.block_ids(n)`` wherever that fits in int32)."""
+    (equal to ``Partitions.block_ids(n)`` wherever that fits in int32) of the positions
+    ``0 .. n-1``, or of ``positions`` (int ``[n]``)."""
     H, S = widths.shape
     w, c = widths.to(torch.float64), offsets.to(torch.float64)
     out = torch.empty(H, S, n, dtype=torch.int32, device=widths.device)
     chunk = max(1, _IDS_CHUNK_ELEMENTS // max(1, H * S))
     for lo in range(0, n, chunk):
         u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
+        if positions is not None:
+            u = positions[lo:lo + u.numel()].to(torch.float64)
         out[..., lo:lo + u.numel()] = block_labels(w, c, u).to(torch.int32)
     return out
 
 
-def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int,
+                  positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(lat int32 [H, G, n], ksz int32 [H, G])`` for grouped partitions: with the group's
     width ``b``, size ``k`` and lattice origin ``c`` (:meth:`Partitions.group_lattices`),
     ``lat[u] = floor((u - c) / (b / k)) - floor(-c / (b / k))`` (the lattice points in ``(0, u]``,
@@ -72,7 +76,8 @@ def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tu
     ``#{lattice points in (i, j]} = lat[j] - lat[i]`` and the group's count is
     ``max(0, k - |lat[i] - lat[j]|)``: the arithmetic of :func:`poslsh.partitions.group_count`
     (bit for bit). Groups of width ``<= 1`` (one position per block) get ``k u``: any two
-    positions are ``>= k`` apart."""
+    positions are ``>= k`` apart. ``positions`` (int ``[n]``, default ``0 .. n-1``): the positions
+    to index (packed documents: positions inside each document)."""
     width, origin, size = Partitions(widths, offsets, groups=groups).group_lattices()
     H, G = width.shape
     b, c, k = (x[..., None].to(torch.float64) for x in (width, origin, size))
@@ -82,6 +87,8 @@ def lattice_index(widths: Tensor, offsets: Tensor, groups: Tensor, n: int) -> Tu
     chunk = max(1, _IDS_CHUNK_ELEMENTS // max(1, H * G))
     for lo in range(0, n, chunk):
         u = torch.arange(lo, min(n, lo + chunk), dtype=torch.float64, device=widths.device)
+        if positions is not None:
+            u = positions[lo:lo + u.numel()].to(torch.float64)
         idx = torch.where(wide, lattice_points(torch.zeros_like(u), u, c, spacing), (u * k).to(torch.int64))
         if int(idx.abs().max()) >= MAX_LATTICE_INDEX:
             raise ValueError(f"grouped partitions: lattice indices reach {int(idx.abs().max())} at n={n} "
@@ -113,6 +120,60 @@ def head_order(widths: Tensor, n: int, group: int) -> Tensor:
 def plan(widths: Tensor, offsets: Tensor, n: int, group: int) -> Plan:
     """The plan in plain torch (the plan kernel's reference; ~100 small ops)."""
     return Plan(block_ids(widths, offsets, n), granule_bounds(widths, offsets, n), head_order(widths, n, group))
+
+
+def row_strides(p: Plan) -> Tuple[int, int, int]:
+    """Elements between the plans of two batch rows in ``ids``, ``gran`` and the compare path's
+    labels (``lat``, else ``ids``); 0 when one plan serves every row."""
+    if p.ids.dim() == 3 or p.ids.shape[0] == 1:
+        return 0, 0, 0
+    ids_bs = p.ids[0].numel()
+    return ids_bs, p.gran[0, 0].numel(), ids_bs if p.lat is None else p.lat[0].numel()
+
+
+def document_plan(widths: Tensor, offsets: Tensor, n: int, group: int, doc_start: Tensor, doc_end: Tensor,
+                  groups: Optional[Tensor] = None) -> Plan:
+    """The plan of packed documents (:class:`poslsh.documents.Documents` ``start`` / ``end``,
+    int ``[B, n]``): the partition is laid over every document from its own start and cut at its
+    end. One plan row per batch row (one for all when every row packs alike): ``ids`` int32
+    ``[R, H, s, n]``, ``gran`` ``[2, R, H, s, ceil(n / 16)]``, ``lat`` ``[R, H, G, n]``.
+
+    Labels are the local labels plus the number of blocks of the row's earlier documents, so
+    they stay consecutive along the row (the kernels count a tile's blocks as a label range)
+    and never equal across documents; block bounds are clipped to the document; lattice
+    indices of consecutive documents are at least the group size apart (count 0 across)."""
+    same = bool((doc_start == doc_start[:1]).all())
+    starts, ends = (doc_start[:1], doc_end[:1]) if same else (doc_start, doc_end)
+    H, S = widths.shape
+    w64, c64 = widths.to(torch.float64), offsets.to(torch.float64)
+    pos = torch.arange(n, device=widths.device)
+    first = torch.arange(0, n, GRANULE, device=widths.device)
+    last = torch.clamp(first + GRANULE - 1, max=n - 1)
+    ids, gran, lats = [], [], []
+    for st, en in zip(starts.to(widths.device), ends.to(widths.device)):
+        local = pos - st
+        head = local == 0
+        doc = torch.cumsum(head.to(torch.int64), 0) - 1                        # document index of each token
+        length = (en - st)[head]                                               # [D]
+        lab = block_ids(widths, offsets, n, local).long()
+        blocks = block_labels(w64, c64, (length - 1).to(torch.float64)).long() + 1      # [H, s, D]
+        ids.append((lab + (torch.cumsum(blocks, -1) - blocks)[..., doc]).to(torch.int32))
+        fs, _ = block_bounds(widths, offsets, n, local[first])
+        _, le = block_bounds(widths, offsets, n, local[last])
+        gran.append(torch.stack([st[first] + fs, st[last] + torch.minimum(le, (en - st)[last])]))
+        if groups is not None:
+            lat, ksz = lattice_index(widths, offsets, groups, n, local)
+            span = lat[..., en[head] - 1].long() + ksz[..., None].long()              # [H, G, D]
+            shifted = lat.long() + (torch.cumsum(span, -1) - span)[..., doc]
+            if int(shifted.abs().max()) >= MAX_LATTICE_INDEX:
+                raise ValueError(f"grouped partitions: packed lattice indices reach {int(shifted.abs().max())} "
+                                 f"(limit 2^30): use backend='torch' for this length")
+            lats.append(shifted.to(torch.int32))
+    out = Plan(torch.stack(ids).contiguous(), torch.stack(gran, 1).to(torch.int32).contiguous(),
+               head_order(widths, n, group))
+    if groups is None:
+        return out
+    return out._replace(lat=torch.stack(lats).contiguous(), ksz=ksz.contiguous())
 
 
 def tile_ranges(widths: Tensor, offsets: Tensor, n: int, tile: int, causal: bool,
@@ -159,7 +220,7 @@ def _version(t: Tensor) -> int:
 
 
 class PlanCache:
-    """Plans by (widths, offsets, n, group, groups): a hit needs the *same* tensor objects at the
+    """Plans by (widths, offsets, n, group, groups, documents): a hit needs the *same* tensor objects at the
     same version (an in-place change makes a new plan), entries die with their
     tensors, and at most ``size`` are kept (least recently used goes first; a plan
     holds ``~4.5 s`` bytes per (head, position)). Thread-safe: autograd runs the
@@ -179,12 +240,14 @@ class PlanCache:
         return len(self._entries)
 
     def get(self, widths: Tensor, offsets: Tensor, n: int, group: int,
-            build: Callable[[], Plan], groups: Optional[Tensor] = None) -> Plan:
+            build: Callable[[], Plan], groups: Optional[Tensor] = None, documents: Optional[Tensor] = None) -> Plan:
         key = (id(widths), id(offsets), _version(widths), _version(offsets), int(n), int(group),
-               None if groups is None else (id(groups), _version(groups)))
+               None if groups is None else (id(groups), _version(groups)),
+               None if documents is None else (id(documents), _version(documents)))
         with self._lock:
             hit = self._entries.get(key)
-            if hit is not None and hit[0]() is widths and hit[1]() is offsets and hit[3] is groups:
+            if hit is not None and hit[0]() is widths and hit[1]() is offsets and hit[3] is groups \
+                    and (hit[4] is None) == (documents is None) and (documents is None or hit[4]() is documents):
                 self._entries.move_to_end(key)
                 return hit[2]
         value = build()
@@ -192,9 +255,12 @@ class PlanCache:
             return value
         ref_w = weakref.ref(widths, lambda _r, k=key: self._drop(k))
         ref_c = weakref.ref(offsets, lambda _r, k=key: self._drop(k))
+        # a documents plan lives as long as its documents tensor (a new one every batch, kept
+        # from a forward to its backward), not until the cache is full
+        ref_d = None if documents is None else weakref.ref(documents, lambda _r, k=key: self._drop(k))
         with self._lock:
             self.builds += 1
-            self._entries[key] = (ref_w, ref_c, value, groups)
+            self._entries[key] = (ref_w, ref_c, value, groups, ref_d)
             self._entries.move_to_end(key)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
@@ -209,5 +275,6 @@ CACHE = PlanCache()
 
 
 def cached(widths: Tensor, offsets: Tensor, n: int, group: int, build: Callable[[], Plan],
-           cache: Optional[PlanCache] = None, groups: Optional[Tensor] = None) -> Plan:
-    return (CACHE if cache is None else cache).get(widths, offsets, n, group, build, groups)
+           cache: Optional[PlanCache] = None, groups: Optional[Tensor] = None,
+           documents: Optional[Tensor] = None) -> Plan:
+    return (CACHE if cache is None else cache).get(widths, offsets, n, group, build, groups, documents)
