@@ -112,6 +112,31 @@ def _units_per_chunk(g: TileGroup, batch: int) -> int:
     return max(1, CHUNK_ELEMENTS // (batch * g.tile * g.width))
 
 
+def _log_counts(start_r: Tensor, end_r: Tensor, k0: Tensor, keys: Tensor, diff_buf: Tensor, count_buf: Tensor,
+                log_table: Tensor, U: int, T: int, R: int, s: int) -> Tensor:
+    """``log count`` ``[U, T, R]`` of a chunk's rows (block bounds ``[U, T, s]`` as key rows) by
+    difference arrays: +1 at each block's start, -1 at its end, one cumulative sum. Rows of a tile
+    whose blocks are the same in every sample have the same counts: they are built once per run
+    of such rows ("segment"), then copied."""
+    dev = start_r.device
+    new_seg = torch.ones(U, T, dtype=torch.bool, device=dev)
+    new_seg[:, 1:] = ((start_r[:, 1:] != start_r[:, :-1]) | (end_r[:, 1:] != end_r[:, :-1])).any(-1)
+    new_seg = new_seg.view(-1)
+    rep = torch.nonzero(new_seg).flatten()
+    seg = torch.cumsum(new_seg, 0) - 1
+    M = rep.numel()
+    base = k0.repeat_interleave(T)[rep, None]
+    rel_start = start_r.view(U * T, s)[rep] - base              # [M, s], in [0, R)
+    rel_end = (end_r.view(U * T, s)[rep] - base).clamp_(max=R)
+    diff = diff_buf[: M * (R + 1)].view(M, R + 1)
+    one = torch.ones((), dtype=torch.int64, device=dev).expand(rel_start.shape)
+    diff.scatter_add_(1, rel_start, one).scatter_add_(1, rel_end, -one)
+    count = torch.cumsum(diff, 1, out=count_buf[: M * (R + 1)].view(M, R + 1))
+    diff.scatter_add_(1, rel_start, -one).scatter_add_(1, rel_end, one)   # back to zeros
+    # log via a table: integer counts 0..s, and torch.log is slow on zeros.
+    return F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
+
+
 def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct,
                 slopes: Optional[Tensor] = None) -> Iterator[Chunk]:
     """The plan's chunks with their bias: ``log count_ij`` (the samples in which query ``i`` and
@@ -130,9 +155,11 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
     # Buffers reused by every chunk (fresh large allocations cost page faults each
     # time). The difference buffer is zero between chunks: each chunk's scatters are
     # undone after use, O(s) per row instead of re-zeroing O(R) per row.
-    cap = max(min(_units_per_chunk(g, shape.batch), g.head.numel()) * g.tile * (g.width + 1) for g in groups)
-    diff_buf = torch.zeros(cap, dtype=torch.int64, device=dev)
-    count_buf = torch.empty(cap, dtype=torch.int64, device=dev)
+    diff_buf = count_buf = None
+    if neg_slopes is None:
+        cap = max(min(_units_per_chunk(g, shape.batch), g.head.numel()) * g.tile * (g.width + 1) for g in groups)
+        diff_buf = torch.zeros(cap, dtype=torch.int64, device=dev)
+        count_buf = torch.empty(cap, dtype=torch.int64, device=dev)
     for g in groups:
         T, R = g.tile, g.width
         per_chunk = _units_per_chunk(g, shape.batch)
@@ -149,30 +176,15 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
             rows = rows.reshape(-1)
             keys = k0[:, None] + ar_r                                  # [U, R] key rows (may pass n_k)
             kv_rows = ((head // group)[:, None] * nk + keys.clamp(max=nk - 1)).reshape(-1)
-            # Rows of a tile whose blocks are the same in every sample have the same
-            # counts: build them once per run of such rows ("segment"), then copy rows.
-            # (Both ends are compared: a window clipped at the sequence start keeps its start.)
             start_r = start_rows.index_select(0, rows).view(U, T, s)
             end_r = end_rows.index_select(0, rows).view(U, T, s)
-            new_seg = torch.ones(U, T, dtype=torch.bool, device=dev)
-            new_seg[:, 1:] = ((start_r[:, 1:] != start_r[:, :-1]) | (end_r[:, 1:] != end_r[:, :-1])).any(-1)
-            new_seg = new_seg.view(-1)
-            rep = torch.nonzero(new_seg).flatten()
-            seg = torch.cumsum(new_seg, 0) - 1
-            M = rep.numel()
-            base = k0.repeat_interleave(T)[rep, None]
-            rel_start = start_r.view(U * T, s)[rep] - base              # [M, s], in [0, R)
-            rel_end = (end_r.view(U * T, s)[rep] - base).clamp_(max=R)
-            diff = diff_buf[: M * (R + 1)].view(M, R + 1)
-            one = torch.ones((), dtype=torch.int64, device=dev).expand(rel_start.shape)
-            diff.scatter_add_(1, rel_start, one).scatter_add_(1, rel_end, -one)
-            count = torch.cumsum(diff, 1, out=count_buf[: M * (R + 1)].view(M, R + 1))
-            diff.scatter_add_(1, rel_start, -one).scatter_add_(1, rel_end, one)   # back to zeros
-            # log via a table: integer counts 0..s, and torch.log is slow on zeros.
-            bias = F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
             if neg_slopes is not None:
-                dist = ((pos + delta)[:, :, None] - keys[:, None, :]).abs_().to(ct)
-                bias.add_(dist.mul_(neg_slopes[head][:, None, None]))
+                # the window: one block per row and no count to build, only its ALiBi bias inside
+                inside = (keys[:, None, :] >= start_r) & (keys[:, None, :] < end_r)          # s == 1
+                bias = ((pos + delta)[:, :, None] - keys[:, None, :]).abs_().to(ct)
+                bias.mul_(neg_slopes[head][:, None, None]).masked_fill_(~inside, float("-inf"))
+            else:
+                bias = _log_counts(start_r, end_r, k0, keys, diff_buf, count_buf, log_table, U, T, R, s)
             if causal:  # keys after the query: only columns from the earliest tile start on
                 c0 = max(0, int((q0 + delta - k0).min()))
                 later = keys[:, None, c0:] > (pos + delta)[:, :, None]
