@@ -201,7 +201,7 @@ def main() -> None:
                 out["window_model"].append(c)
                 rows.append([f"{W:,}", f"{n:,}", P, f"{c['halo_max']:,}", mib(c["halo_bytes_max"]),
                              mib(c["ring_bytes"]), f"{c['ring_bytes'] / max(c['halo_bytes_max'], 1):,.0f}x"])
-    print(f"\nCost model of the ALiBi window (causal, the same model), per rank per layer per step, worst rank:\n")
+    print("\nCost model of the ALiBi window (causal, the same model), per rank per layer per step, worst rank:\n")
     print(markdown_table(["window W", "n", "P", "halo tokens", "halo MiB", "ring MiB", "ring / halo"], rows))
     atomic_write_json(args.out, out)
     print(f"\nwrote {args.out}")

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     print(f"{len(lengths)} documents, {n} tokens: lengths min {min(lengths)}, median "
           f"{sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}; H={H}, d={args.dim}, s={args.samples}, causal, "
           f"float32, {args.threads} thread(s); load {load()}", flush=True)
-    print(f"scores computed: " + ", ".join(f"{w} {scores[w]:.3e}" for w in WAYS) + f"; packed vs alone max |diff| "
+    print("scores computed: " + ", ".join(f"{w} {scores[w]:.3e}" for w in WAYS) + f"; packed vs alone max |diff| "
           f"{max_diff:.1e}", flush=True)
     modes = [("forward", False)] + ([("forward+backward", True)] if args.backward else [])
     load_before = load()

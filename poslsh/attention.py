@@ -2,13 +2,13 @@
 ``windowed_alibi_attention`` (exact ALiBi cut at per-head windows, the strongest baseline)."""
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import Tensor
 
 from ._validation import AttnShape, check_heads, check_qkv, check_scale
-from .alibi import AlibiWindow, make_window
+from .alibi import make_window
 from .documents import make_documents
 from .ops import load_backends, registry
 from .ops.torch_plan import Span
@@ -155,8 +155,17 @@ def _dispatch(op: str, q: Tensor, k: Tensor, v: Tensor, positional, *, causal, s
 
 
 def _degenerate(op: str, call: registry.Call, *, backend: str, positions: dict):
-    """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device (shape
-    inference): the exact answer without running a kernel on empty tensors."""
+    """Empty tensors and the meta device of a 1-D op (see :func:`degenerate_call`)."""
+    rerun = dict(causal=call.causal, scale=call.scale, backend=backend, return_lse=call.return_lse, **positions)
+    return degenerate_call(call, lambda q, k, v: _dispatch(op, q, k, v, call.positional, **rerun))
+
+
+def degenerate_call(call: registry.Call, rerun: Callable[[Tensor, Tensor, Tensor], object]):
+    """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device (shape inference):
+    the exact ``(out, lse)`` without running a kernel on empty tensors. ``rerun(q, k, v)`` calls
+    the public op again (with ``return_lse`` as the call asked) on padded inputs: with head_dim 0
+    every logit is 0 and the weights are the positional ones alone, so one zero feature gives the
+    same answer; with value dim 0 one zero value column is cut off again."""
     q, k, v, shape = call.q, call.k, call.v, call.shape
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -168,11 +177,9 @@ def _degenerate(op: str, call: registry.Call, *, backend: str, positions: dict):
         keep = 0 * (q.sum() + k.sum() + v.sum())        # keeps autograd
         return out + keep, lse + keep
     pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
-    rerun = dict(causal=call.causal, scale=call.scale, backend=backend, return_lse=call.return_lse, **positions)
     if shape.head_dim == 0:
-        # every logit is 0: the weights are the positional ones alone; run on one zero feature
         q, k = pad(q), pad(k)
-    result = _dispatch(op, q, k, pad(v) if shape.v_dim == 0 else v, call.positional, **rerun)
+    result = rerun(q, k, pad(v) if shape.v_dim == 0 else v)
     out, lse = result if call.return_lse else (result, None)
     return (out[..., :0] if shape.v_dim == 0 else out), lse
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from ._validation import check_heads, check_qkv, check_scale
+from .attention import degenerate_call
 from .ops import load_backends, registry
 from .partitions_nd import PartitionsND, check_grid
 
@@ -69,22 +69,7 @@ def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions: PartitionsN
 
 
 def _degenerate(call: registry.Call, backend: str):
-    """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device: the exact answer
-    without running a kernel on empty tensors (as the 1-D dispatcher does)."""
-    q, k, v, shape = call.q, call.k, call.v, call.shape
-    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if q.device.type == "meta" or B == 0:
-        out = torch.empty(B, Hq, n, shape.v_dim, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, Hq, n, dtype=lse_dtype, device=q.device)
-        if q.device.type == "meta":
-            return out, lse
-        keep = 0 * (q.sum() + k.sum() + v.sum())        # keeps autograd
-        return out + keep, lse + keep
-    pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
-    if shape.head_dim == 0:       # every logit is 0: the weights are the counts alone; one zero feature
-        q, k = pad(q), pad(k)
-    result = poslsh_attention_2d(q, k, pad(v) if shape.v_dim == 0 else v, call.positional, call.grid,
-                                 causal=call.causal, scale=call.scale, backend=backend, return_lse=call.return_lse)
-    out, lse = result if call.return_lse else (result, None)
-    return (out[..., :0] if shape.v_dim == 0 else out), lse
+    """Empty tensors and the meta device of the grid op (see :func:`poslsh.attention.degenerate_call`)."""
+    return degenerate_call(call, lambda q, k, v: poslsh_attention_2d(
+        q, k, v, call.positional, call.grid, causal=call.causal, scale=call.scale, backend=backend,
+        return_lse=call.return_lse))

@@ -25,7 +25,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from poslsh_paper.experiments.command import Command, ConfigError
 

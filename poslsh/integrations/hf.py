@@ -66,7 +66,7 @@ from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generat
 from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
                          positional_config, register_rope_type)
 from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
-                       padded_self_attention, span_rows, window_mask)
+                       padded_self_attention, window_mask)
 from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_state, layer_window
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
@@ -279,8 +279,7 @@ def alibi_window_attention_forward(module, query, key, value, attention_mask, sc
         if out is None and window is None and causal and nq != nk and (
                 pads := hf_cache.left_pads(allowed, B, nq, nk)) is not None:
             # decoding against a full DynamicCache: the queries' and keys' positions, per group of rows
-            out = span_rows(lambda q, k, v, qs, ks: attend(q, k, v, q_start=qs, k_start=ks),
-                            query, key, value, nk - nq, 0, pads)
+            out = hf_cache.span_rows_attention(query, key, value, win, nk - nq, 0, pads, scaling, backend)
         if out is None:
             _warn_dense_once(module, "alibi-window", dense_cause(nq, nk, causal, window))
             qpos = torch.arange(nk - nq, nk, device=query.device)[:, None]

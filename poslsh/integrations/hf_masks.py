@@ -9,19 +9,19 @@ ops make of them.
 * Padding: a causal mask with one contiguous run of valid keys per row (right or left padding)
   runs the near-linear op (:func:`padded_self_attention`: left-padded rows are rolled so their
   valid tokens start at 0); a full KV cache with left padding attends per group of rows at the
-  queries' and keys' positions (:func:`span_rows`).
+  queries' and keys' positions (:func:`poslsh.integrations.hf_rows.span_rows_attention`).
 * A 4-D mask that is exactly packed causal documents (block-diagonal causal) is read as documents.
 
 Any other mask is left to the caller's exact dense path.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["allowed_mask", "causal_key_runs", "roll_rows", "padded_self_attention", "span_rows",
+__all__ = ["allowed_mask", "causal_key_runs", "roll_rows", "padded_self_attention",
            "window_mask", "dense_cause", "documents_from_positions", "documents_from_mask", "packed_documents",
            "lazy_causal_mask"]
 
@@ -94,32 +94,6 @@ def padded_self_attention(attend: Callable[[Tensor, Tensor, Tensor], Tensor], qu
     # left padding: roll each row so it becomes right padding
     q, k, v = (roll_rows(t, start) for t in (query, key, value))
     return roll_rows(attend(q, k, v), -start)
-
-
-def span_rows(attend: Callable[..., Tensor], query: Tensor, key: Tensor, value: Tensor, q_first: int,
-              k_first: int, pads: List[Optional[int]]) -> Tensor:
-    """Causal attention of ``query [B, Hq, nq, d]`` at padded positions ``[q_first, q_first + nq)``
-    to ``key/value [B, Hkv, nk, d]`` at padded ``[k_first, k_first + nk)``, where row ``b``'s own
-    positions start at its first real token ``pads[b]`` (None: no real token yet), by
-    ``attend(q, k, v, q_start, k_start)`` once per group of rows with equal offsets; returns
-    ``[B, Hq, nq, dv]``, zero at padding positions. (The op-agnostic form of
-    :func:`poslsh.integrations.hf_cache.span_rows_attention`.)"""
-    B, Hq, nq, _ = query.shape
-    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for b, pad in enumerate(pads):
-        if pad is None or pad >= q_first + nq:
-            continue
-        i0, j0 = max(0, pad - q_first), max(0, pad - k_first)
-        groups.setdefault((i0, j0, q_first + i0 - pad, k_first + j0 - pad), []).append(b)
-    if len(groups) == 1:
-        (i0, j0, qs, ks), rows = next(iter(groups.items()))
-        if i0 == 0 and len(rows) == B:     # every row starts together: one call on the whole batch
-            return attend(query, key[:, :, j0:], value[:, :, j0:], qs, ks)
-    out = query.new_zeros(B, Hq, nq, value.shape[-1])
-    for (i0, j0, qs, ks), rows in groups.items():
-        idx = torch.tensor(rows, device=query.device)
-        out[idx, :, i0:] = attend(query[idx, :, i0:], key[idx, :, j0:], value[idx, :, j0:], qs, ks)
-    return out
 
 
 def window_mask(allowed: Optional[Tensor], nq: int, nk: int, causal: bool, window: Optional[int],

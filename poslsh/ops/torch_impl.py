@@ -43,9 +43,8 @@ from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
 from ..threads import intra_op_threads
 from .registry import register_backend
-# flat_rows, gather_rows, tiled_backward: shared with the 2-D op (torch_grid imports them from here);
 # row_bounds, plan_tiles, choose_tiles: also used by benchmarks/bench_gpu.py.
-from .torch_kernels import backward, few_queries_forward, flat_rows, forward, gather_rows, tiled_backward  # noqa: F401
+from .torch_kernels import backward, few_queries_forward, forward
 from .torch_plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, window_block_widths, \
     window_row_bounds
 from .torch_tiles import TileGroup, choose_tiles, plan_tiles  # noqa: F401
