@@ -137,6 +137,38 @@ def _log_counts(start_r: Tensor, end_r: Tensor, k0: Tensor, keys: Tensor, diff_b
     return F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
 
 
+def _window_bias(q_rel: Tensor, lo: Tensor, hi: Tensor, head: Tensor, neg_slopes: Tensor, half: Tensor,
+                 R: int, ct) -> Tensor:
+    """A window chunk's bias ``[U, T, R]``: ``-m_h |i - j|`` on the columns ``[lo, hi)`` of each row
+    (``q_rel [U, T]``: the query's own column, all relative to the tile's first key), ``-inf``
+    elsewhere. A row whose window is not clipped (by the sequence, a document or the tile's end)
+    has ``[lo, hi) = [q - w, q + w + 1)``, so in a tile of such rows the bias depends only on the
+    head and the tile's offset ``q_rel[:, 0]``: a Toeplitz matrix built once per (head, offset) and
+    copied, instead of a distance, a mask and a product per score (the chunk cost that made the
+    window slower than positional LSH at equal keys per query)."""
+    U, T = q_rel.shape
+    w = half[head][:, None]                                                  # [U, 1]
+    c = q_rel[:, 0]
+    plain = ((q_rel == c[:, None] + torch.arange(T, device=c.device)) & (lo == q_rel - w)
+             & (hi == q_rel + w + 1)).all(1)                                 # [U]
+    cols = torch.arange(R, device=c.device, dtype=ct)
+    bias = torch.empty(U, T, R, dtype=ct, device=c.device)
+    if bool(plain.any()):
+        key = head[plain] * (R + T + 1) + c[plain]
+        uniq, inv = torch.unique(key, return_inverse=True)
+        h_k, c_k = uniq // (R + T + 1), uniq % (R + T + 1)
+        d = (c_k[:, None, None] + torch.arange(T, device=c.device)[None, :, None]).to(ct) - cols
+        d.abs_()
+        tmpl = (d * neg_slopes[h_k][:, None, None]).masked_fill_(d > half[h_k].to(ct)[:, None, None], float("-inf"))
+        bias[plain] = tmpl[inv]
+    rest = ~plain
+    if bool(rest.any()):
+        qr, l, hh = q_rel[rest].to(ct)[:, :, None], lo[rest].to(ct)[:, :, None], hi[rest].to(ct)[:, :, None]
+        b = (qr - cols).abs_().mul_(neg_slopes[head[rest]][:, None, None])
+        bias[rest] = b.masked_fill_((cols < l).logical_or_(cols >= hh), float("-inf"))
+    return bias
+
+
 def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct,
                 slopes: Optional[Tensor] = None) -> Iterator[Chunk]:
     """The plan's chunks with their bias: ``log count_ij`` (the samples in which query ``i`` and
@@ -152,6 +184,8 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
     dev = start_rows.device
     log_table = torch.arange(s + 1, dtype=ct, device=dev).log()   # log 0 = -inf
     neg_slopes = None if slopes is None else -slopes.to(device=dev, dtype=ct)
+    # the window op: the half-width of each head's widest row, the window of its unclipped rows
+    half = None if slopes is None else ((bounds.end - bounds.start).amax(dim=(1, 2)) - 1) // 2
     # Buffers reused by every chunk (fresh large allocations cost page faults each
     # time). The difference buffer is zero between chunks: each chunk's scatters are
     # undone after use, O(s) per row instead of re-zeroing O(R) per row.
@@ -179,10 +213,8 @@ def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct
             start_r = start_rows.index_select(0, rows).view(U, T, s)
             end_r = end_rows.index_select(0, rows).view(U, T, s)
             if neg_slopes is not None:
-                # the window: one block per row and no count to build, only its ALiBi bias inside
-                inside = (keys[:, None, :] >= start_r) & (keys[:, None, :] < end_r)          # s == 1
-                bias = ((pos + delta)[:, :, None] - keys[:, None, :]).abs_().to(ct)
-                bias.mul_(neg_slopes[head][:, None, None]).masked_fill_(~inside, float("-inf"))
+                bias = _window_bias(pos + delta - k0[:, None], start_r.view(U, T) - k0[:, None],
+                                    end_r.view(U, T) - k0[:, None], head, neg_slopes, half, R, ct)
             else:
                 bias = _log_counts(start_r, end_r, k0, keys, diff_buf, count_buf, log_table, U, T, R, s)
             if causal:  # keys after the query: only columns from the earliest tile start on
