@@ -1,7 +1,9 @@
 """poslsh: positional-LSH attention (Wolfson & Wagner), a near-linear approximation
 of ALiBi attention by random contiguous block masks."""
-from .alibi import alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes
+from .alibi import AlibiWindow, alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes, make_window
 from .attention import available_backends, poslsh_attention, windowed_alibi_attention
+from .documents import Documents
+from .merge import merge_attention
 from .partitions import Blocks, Partitions, sample_partitions
 from .reference import alibi_attention, poslsh_attention_reference
 from . import theory
@@ -16,12 +18,18 @@ from .reference import alibi_attention_nd, alibi_bias_nd, alibi_matrix_nd, kerne
 __version__ = "0.2.0"
 
 __all__ = [
-    "alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix",
+    "alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "AlibiWindow", "make_window",
     "Partitions", "Blocks", "sample_partitions",
     "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "windowed_alibi_attention",
-    "available_backends",
+    "available_backends", "merge_attention", "Documents",
     "theory", "PartitionSchedule", "PoslshAttention",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
     "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd", "poslsh_attention_reference_nd",
     "poslsh_attention_2d",
 ]
+
+# Register every backend now, not at the first call: a first call inside torch.compile would
+# otherwise import modules while dynamo traces (a graph break, an error under fullgraph=True).
+from .ops import load_backends as _load_backends  # noqa: E402
+
+_load_backends()

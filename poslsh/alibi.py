@@ -115,19 +115,27 @@ class AlibiWindow:
         return AlibiWindow(self.slopes.to(device), self.window.to(device))
 
 
+def _require(ok: Tensor, message: str) -> None:
+    """A check on tensor values: a ValueError eagerly; inside torch.compile a runtime assert with the
+    same message (a Python ``bool`` of a traced tensor would break the graph)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
 def make_window(slopes, window: Union[int, Tensor], num_heads: Optional[int] = None) -> AlibiWindow:
     """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``) and ``window`` (an int for every head,
     or ``[H]`` integers ``>= 0``) into an :class:`AlibiWindow`; ``num_heads``, when given, must match."""
     m = _as_1d(slopes, "slopes").detach().to(torch.float64)
-    if not bool(torch.isfinite(m).all()) or bool((m < 0).any()):
-        raise ValueError("slopes: ALiBi slopes must be finite and >= 0")
+    _require(torch.isfinite(m).all() & (m >= 0).all(), "slopes: ALiBi slopes must be finite and >= 0")
     if num_heads is not None and m.numel() != num_heads:
         raise ValueError(f"slopes: got {m.numel()} slopes for {num_heads} query heads")
     if isinstance(window, numbers.Integral) and not isinstance(window, bool):
         w = torch.full((m.numel(),), int(window), dtype=torch.int64, device=m.device)
     elif isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
-        if window.dtype.is_floating_point and not bool((window == window.round()).all()):
-            raise ValueError("window: per-head windows must be whole numbers of positions")
+        if window.dtype.is_floating_point:
+            _require((window == window.round()).all(), "window: per-head windows must be whole numbers of positions")
         w = window.detach().reshape(-1).to(device=m.device, dtype=torch.int64)
         if w.numel() == 1:
             w = w.expand(m.numel()).clone()
@@ -136,6 +144,6 @@ def make_window(slopes, window: Union[int, Tensor], num_heads: Optional[int] = N
                         f"{type(window).__name__}")
     if w.numel() != m.numel():
         raise ValueError(f"window: got {w.numel()} windows for {m.numel()} heads")
-    if bool((w < 0).any()):
-        raise ValueError(f"window: windows must be >= 0 (keys with |i - j| <= window attend), got {w.tolist()}")
+    _require((w >= 0).all(), "window: windows must be >= 0 (keys with |i - j| <= window attend), got "
+             + ("a negative one" if torch.compiler.is_compiling() else str(w.tolist())))
     return AlibiWindow(m, w)

@@ -27,28 +27,34 @@ def available_backends(q: Optional[Tensor] = None, op: str = "sequence") -> List
 
 
 _POSITIONS_DOC = """
-        q_start, k_start: the positions of the first query and the first key in the
-            sequence (default 0 and no ``seq_len``: self-attention). Otherwise the queries
+        q_start, k_start: int positions of the first query and the first key in the sequence
+            (default 0 and no ``seq_len``: self-attention). Otherwise the queries
             ``[q_start, q_start + n)`` attend to the keys ``[k_start, k_start + nk)``, e.g.
             new tokens against a KV cache, or a shard against its halo; the keys must
             hold every key those queries can see (checked: a ValueError names the gap).
-        seq_len: the sequence length (blocks end there); needed for non-causal
+        seq_len: int, the sequence length (blocks and windows end there); needed for non-causal
             attention at other positions, where keys to the right count too.
         cu_seqlens: packed documents, flash-attention's convention: int ``[D + 1]`` offsets
             ``0 = c_0 <= ... <= c_D = n`` of ``D`` documents in one row (``B = 1``). A token
             attends only to its own document, and positions restart at 0 in every document,
             so each document gets exactly what it would get alone (:mod:`poslsh.documents`).
         document_ids: packed documents for any batch: int ``[B, n]``, the document of each token
-            (one run of equal ids per document). Exclusive with ``cu_seqlens``; neither can be
-            combined with ``q_start`` / ``k_start`` / ``seq_len`` (decode each document as its own row).
-        return_lse: also return the log-sum-exp of every query's (weighted) logits, float32
-            ``[B, Hq, n]`` (float64 for float64 input), differentiable: two attentions over
-            disjoint key sets merge exactly as
-            ``out = (exp(lse1 - lse) out1 + exp(lse2 - lse) out2)``, ``lse = logaddexp(lse1, lse2)``.
+            (one run of equal ids per document; rows may pack differently). Exclusive with
+            ``cu_seqlens``; neither can be combined with ``q_start`` / ``k_start`` / ``seq_len``
+            (decode each document as its own row). Both need ``nk = n``.
+        return_lse: also return the log-sum-exp of every query's weighted logits, ``[B, Hq, n]``,
+            float32 (float64 for float64 input), natural log; differentiable. Two attentions over
+            disjoint key sets merge exactly (:func:`poslsh.merge_attention`):
+            ``lse = logaddexp(lse1, lse2)``, ``out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2``.
 
     Returns:
-        ``out [B, Hq, n, dv]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
-        Differentiable in ``q``, ``k``, ``v``."""
+        ``out [B, Hq, n, dv]`` in ``q.dtype``, or ``(out, lse [B, Hq, n])`` with ``return_lse``.
+        Differentiable in ``q``, ``k``, ``v`` (twice on the torch and reference backends).
+
+    Raises:
+        ValueError / TypeError naming the argument: bad shapes, dtypes or devices, a head count that
+        does not match, keys missing for the given positions, a backend that cannot serve the call
+        (the message lists the backends that can)."""
 
 
 def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *, causal: bool = False,
@@ -65,7 +71,7 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
     ``log sum_k count_ik e^{s_ik}`` (``count_ik``: the samples in which ``i`` and ``k`` share a block).
 
     Args:
-        q: ``[B, Hq, n, d]`` queries.
+        q: ``[B, Hq, n, d]`` queries (float16, bfloat16, float32 or float64).
         k: ``[B, Hkv, nk, d]`` keys (``nk = n`` for self-attention); ``Hq`` must be a
             multiple of ``Hkv`` (GQA: query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
         v: ``[B, Hkv, nk, dv]`` values.
@@ -73,8 +79,8 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
         causal: attend only to keys at positions ``<= i``.
         scale: logit scale, default ``1 / sqrt(d)``.
         backend: ``"auto"`` (fastest available), ``"torch"`` (portable, near
-            linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory), ``"triton"``
-            (fused GPU kernel, CUDA tensors) or ``"reference"`` (dense ``n x n``);
+            linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory; every feature), ``"triton"``
+            (fused GPU kernel, CUDA tensors, self-attention) or ``"reference"`` (dense ``n x n``);
             :func:`available_backends` lists them."""
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a poslsh.Partitions, got {type(partitions).__name__}")
@@ -97,16 +103,20 @@ def windowed_alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, window:
     smallest window for a tolerance. The log-sum-exp is ``log sum_j e^{s_ij - m_h |i - j|}``.
 
     Args:
-        q: ``[B, Hq, n, d]`` queries.
-        k: ``[B, Hkv, nk, d]`` keys; ``Hq`` a multiple of ``Hkv`` (GQA).
+        q: ``[B, Hq, n, d]`` queries (float16, bfloat16, float32 or float64).
+        k: ``[B, Hkv, nk, d]`` keys (``nk = n`` for self-attention); ``Hq`` a multiple of ``Hkv``
+            (GQA: query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
         v: ``[B, Hkv, nk, dv]`` values.
-        slopes: ``[Hq]`` ALiBi slopes ``m_h = 1 / sigma_h`` (:func:`poslsh.alibi_slopes`), ``>= 0``.
+        slopes: ``[Hq]`` ALiBi slopes ``m_h = 1 / sigma_h`` (:func:`poslsh.alibi_slopes`), finite, ``>= 0``.
         window: keys with ``|i - j| <= window`` attend: an int for every head, or int ``[Hq]``
-            (0: each query sees itself only; ``>= n``: exact ALiBi).
+            (0: each query sees itself only; ``>= n``: exact ALiBi). Positions are absolute with
+            ``q_start`` / ``k_start`` and restart in every packed document.
         causal: attend only to keys at positions ``<= i``.
         scale: logit scale, default ``1 / sqrt(d)``.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"reference"`` (dense ``n x n``);
-            :func:`available_backends` with ``op="window"`` lists them."""
+        backend: ``"auto"``, ``"torch"`` (the window as one block per query on the tiles of
+            positional LSH: ``O(n (w + 64) d)`` time, ``O(n)`` memory; every feature) or
+            ``"reference"`` (dense ``n x n``); :func:`available_backends` with ``op="window"``
+            lists them."""
     positional = make_window(slopes, window)
     return _dispatch("window", q, k, v, positional, causal=causal, scale=scale, backend=backend, q_start=q_start,
                      k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,

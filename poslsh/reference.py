@@ -42,7 +42,9 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = No
         finite value, not ``-inf``: a row with nothing to attend (a padding query) gets uniform
         weights, not NaN.
     """
-    shape = check_qkv(q, k, v, kv_cache=True)
+    # With the caller's own masks (no ``causal``) queries and keys may be any positions: the
+    # oracles pass keys at given positions, fewer than the queries when a key set is split.
+    shape = check_qkv(q, k, v, kv_cache=True, any_lengths=not causal)
     scale = check_scale(scale, shape.head_dim)
     ct = compute_dtype(q.dtype)
     nq, nk = q.shape[2], k.shape[2]

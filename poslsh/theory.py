@@ -3,7 +3,8 @@ norms they bound, computed without ``O(s n^2)`` work.
 
 Bounds carry the paper's universal constant ``C`` as an explicit parameter
 (default 1: the theorems only say it exists; the paper app's ``poslsh audit``
-measures the smallest ``C`` that makes them hold on real inputs).
+measures the smallest ``C`` that makes them hold on real inputs). The window's truncation
+bound (exact ALiBi cut at a window, the rival of positional LSH) lives in :mod:`poslsh.window_theory`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from .partitions import Partitions
 from .widths import GammaWidths
+from .window_theory import alibi_window, logit_range, window_error_bound, window_tail_ratio
 
 __all__ = [
     "psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_tail_probability",
@@ -26,6 +28,8 @@ __all__ = [
     # any positional LSH (paper section 5): N-D ALiBi, other kernels
     "dense_mask_errors", "kernel_instance_stats", "delta_p_prime", "general_output_error_bound",
     "realized_output_error_bound",
+    # exact ALiBi cut at a window (poslsh.window_theory)
+    "window_tail_ratio", "window_error_bound", "alibi_window", "logit_range",
 ]
 
 

@@ -14,8 +14,9 @@ PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_
 # The library's floors come first, the app's after them: the library never imports the app.
 FLOORS: List[Tuple[str, List[str]]] = [
     ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
-    ("core math", ["poslsh.alibi", "poslsh.cost", "poslsh.documents", "poslsh.sampling", "poslsh.partitions",
-                   "poslsh.theory", "poslsh.reference", "poslsh.widths", "poslsh.partitions_nd"]),
+    ("core math", ["poslsh.alibi", "poslsh.cost", "poslsh.documents", "poslsh.merge", "poslsh.sampling",
+                   "poslsh.partitions", "poslsh.theory", "poslsh.window_theory", "poslsh.reference", "poslsh.widths",
+                   "poslsh.partitions_nd"]),
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding"]),
     ("modules", ["poslsh.modules", "poslsh"]),  # "poslsh" = the package's public face
     ("integrations", ["poslsh.integrations"]),

@@ -47,7 +47,7 @@ def test_bad_partitions_scale_backend():
 
 def test_no_quadratic_tensor_on_torch_path(monkeypatch):
     """Every tensor created inside the torch backend is O(n) in size (n = 4096 here)."""
-    import poslsh.ops.torch_plan as ti
+    import poslsh.ops.torch_tiles as ti
 
     n = 4096
     q, k, v = make_qkv(1, 2, 1, n, 8, dtype=torch.float32)
@@ -69,3 +69,18 @@ def test_no_quadratic_tensor_on_torch_path(monkeypatch):
     print("largest tensor elements", largest, "n^2 =", n * n)
     assert torch.isfinite(out).all()
     assert largest < n * n // 16
+
+
+def test_first_ever_call_may_be_inside_torch_compile():
+    """The backends register at import: a process whose first call of the op is being traced by
+    torch.compile(fullgraph=True) compiles (no module import while dynamo traces)."""
+    import subprocess
+    import sys
+    code = ("import torch, poslsh\n"
+            "q = torch.randn(1, 2, 40, 8)\n"
+            "parts = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)\n"
+            "f = torch.compile(lambda q: poslsh.poslsh_attention(q, q, q, parts, causal=True), fullgraph=True)\n"
+            "ref = poslsh.poslsh_attention_reference(q.double(), q.double(), q.double(), parts, causal=True)\n"
+            "assert (f(q).double() - ref).abs().max() < 1e-5\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]

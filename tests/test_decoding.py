@@ -10,9 +10,7 @@ from poslsh.alibi import make_window
 from poslsh.decoding import (KVWindow, attend, cache_bound, cache_bound_whp, document_rows, first_needed,
                              packed_windows)
 
-# The window op and packed documents run on the dense "reference" backend here (small n): the
-# torch backend does not serve them yet. Switch to "torch" when it does.
-WINDOW_AND_DOCUMENTS_BACKEND = "reference"
+WINDOW_AND_DOCUMENTS_BACKEND = "torch"
 
 
 def narrow_and_wide(s=4, seed=0):
@@ -147,22 +145,27 @@ def test_window_decoding_equals_dense_oracle_holding_exactly_w_keys(dtype, tol):
 
 
 def test_a_window_keeps_no_key_too_many():
-    """With one key fewer than first_needed the widest head's output changes: the kept keys
-    are exactly the ones a later query needs."""
+    """With one key fewer than first_needed the widest head's output changes (the dense oracle,
+    which takes any keys, shows it) and the fast backend refuses the call, naming the gap: the
+    kept keys are exactly the ones a later query needs."""
     win, n = alibi_window(), 200
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
     p = n - 1
     want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)[:, :, p:]
+    first = int(first_needed(win, [p])[0])
     errs = []
-    for c0 in (int(first_needed(win, [p])[0]), int(first_needed(win, [p])[0]) + 1):
+    for c0, backend in ((first, WINDOW_AND_DOCUMENTS_BACKEND), (first + 1, "reference")):
         out = poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, c0:], v[:, :, c0:], win.slopes, window=win.window,
-                                              causal=True, q_start=p, k_start=c0,
-                                              backend=WINDOW_AND_DOCUMENTS_BACKEND)
+                                              causal=True, q_start=p, k_start=c0, backend=backend)
         errs.append((out - want).abs().amax((0, 2, 3)))                         # per head
     assert float(errs[0].max()) < 1e-12
     assert float(errs[1][3]) > 1e-3 and float(errs[1][:3].max()) < 1e-12
+    with pytest.raises(ValueError, match="can see keys in"):
+        poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,
+                                        window=win.window, causal=True, q_start=p, k_start=first + 1,
+                                        backend=WINDOW_AND_DOCUMENTS_BACKEND)
 
 
 # ------------------------------------------------------------------ packed prefill

@@ -18,6 +18,27 @@ def test_empty_batch_or_head_dim(backend, shape):
     assert q.grad.shape == q.shape
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("shape", [(0, 4, 10, 8), (2, 4, 10, 0)])
+def test_window_op_empty_batch_or_head_dim(backend, shape):
+    B, H, n, d = shape
+    q = torch.randn(B, H, n, d, requires_grad=True)
+    k, v = torch.randn(B, 2, n, d), torch.randn(B, 2, n, d)
+    out, lse = poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(4), window=3, causal=True,
+                                               backend=backend, return_lse=True)
+    assert out.shape == (B, H, n, d) and lse.shape == (B, H, n)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_head_dim_zero_window_weights_are_alibi():
+    q, k = torch.randn(1, 4, 30, 0, dtype=torch.float64), torch.randn(1, 2, 30, 0, dtype=torch.float64)
+    v = torch.randn(1, 2, 30, 5, dtype=torch.float64)
+    slopes, window = poslsh.alibi_slopes(4), torch.tensor([0, 2, 9, 100])
+    out = poslsh.windowed_alibi_attention(q, k, v, slopes, window=window, backend="torch")
+    assert torch.allclose(out, poslsh.alibi_attention(q, k, v, slopes, window=window), atol=1e-12)
+
+
 def test_head_dim_zero_weights_are_the_counts():
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 3, seed=0)
     q, k = torch.randn(2, 4, 30, 0, dtype=torch.float64), torch.randn(2, 2, 30, 0, dtype=torch.float64)
@@ -38,6 +59,8 @@ def test_meta_device_infers_shapes():
     q, k, v = (torch.empty(2, h, 10, 8, device="meta") for h in (4, 2, 2))
     out = poslsh.poslsh_attention(q, k, v, parts, causal=True)
     assert out.device.type == "meta" and out.shape == (2, 4, 10, 8)
+    out, lse = poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(4), window=2, return_lse=True)
+    assert out.device.type == "meta" and out.shape == (2, 4, 10, 8) and lse.shape == (2, 4, 10)
 
 
 def test_tiny_sigma_blocks_agree_with_block_ids():

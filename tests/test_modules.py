@@ -11,7 +11,7 @@ from poslsh.seeding import stable_seed
 
 from inputs import make_qkv
 
-BACKEND = "reference"    # packed documents: the torch backend's support lands with its own tests
+BACKEND = "auto"
 
 
 def test_schedule_fresh_per_step_fixed_in_eval_and_cached():

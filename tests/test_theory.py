@@ -67,3 +67,14 @@ def test_instance_stats_and_output_bound():
     C, ok = theory.smallest_constant(b, 0.9, 0.3, 1.0, 4.0, n, 1000, 0.01)
     assert ok and C == pytest.approx(1.0)
     assert theory.output_error_bound(0.01, 0.3, 1.0, 4.0, n, 10, 0.01) == math.inf
+
+
+def test_window_theory_is_part_of_theory():
+    """poslsh.theory exposes the window's truncation bound next to the paper's bounds."""
+    from poslsh import window_theory
+    for name in ("window_tail_ratio", "window_error_bound", "alibi_window", "logit_range"):
+        assert getattr(theory, name) is getattr(window_theory, name) and name in theory.__all__
+    # the window a tolerance needs grows like sigma (R + ln 1/tol); positional LSH's s like 1/eps^2
+    w = theory.alibi_window(torch.tensor([8.0, 64.0]), 1e-3, 5.0)
+    assert torch.equal(w, theory.alibi_window(torch.tensor([8.0, 64.0]), torch.tensor([1e-3, 1e-3]), 5.0))
+    assert float(w[1]) / float(w[0]) == pytest.approx(8.0, rel=0.02)

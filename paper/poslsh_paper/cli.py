@@ -41,6 +41,7 @@ COMMAND_MODULES = [
     "poslsh_paper.experiments.lm.commands",
     "poslsh_paper.experiments.generate",
     "poslsh_paper.experiments.vision.commands",
+    "poslsh_paper.experiments.frontier_config",
 ]
 WIDTH = 100
 

@@ -1,7 +1,8 @@
 """Backends of the library's ops, registered in :mod:`.registry`:
 ``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"grid"``
-op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed) and
-``"reference"`` (the dense float64-safe oracles of :mod:`poslsh.reference`)."""
+op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed), ``"flex"``
+(:mod:`.flex`, PyTorch's FlexAttention, when torch has it) and ``"reference"`` (the dense
+float64-safe oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
 from .registry import Backend, Call, register_backend, registered, resolve
@@ -52,4 +53,5 @@ def load_backends() -> None:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:
         pass
+    from . import flex  # noqa: F401  (registers "flex" when torch has FlexAttention)
     _loaded = True

@@ -33,7 +33,7 @@ from torch import Tensor
 from .._validation import AttnShape, compute_dtype
 from ..partitions import block_bounds
 from .registry import register_backend
-from .torch_impl import flat_rows, gather_rows, tiled_backward
+from .torch_kernels import flat_rows, gather_rows, tiled_backward
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
 

@@ -1,180 +1,88 @@
-"""Portable near-linear positional-LSH attention in plain PyTorch (CPU and CUDA).
+"""Portable near-linear attention in plain PyTorch (CPU and CUDA): the ``"torch"`` backend of
+both 1-D ops, positional LSH (``"sequence"``) and exact ALiBi cut at a window (``"window"``).
 
-The estimator (paper section 4) is
+The positional-LSH estimator (paper section 4) is
 ``T~_i = sum_t sum_{k in block_t(i)} e^{s_ik} v_k / sum_t sum_{k in block_t(i)} e^{s_ik}``
 = ``sum_k count_ik e^{s_ik} v_k / sum_k count_ik e^{s_ik}``, where ``count_ik`` is
 the number of samples in which ``i`` and ``k`` share a block: one softmax with
 weights multiplied by ``count`` (bias ``log count``), so every score is computed
-once, not once per sample.
+once, not once per sample. The window op is the same machinery with one "sample" whose
+block for query ``i`` is ``[i - w_h, i + w_h + 1)`` and the bias ``-m_h |i - j|`` inside.
 
-Work is cut into *query tiles* of ``T`` rows of one head. The blocks containing
-a row are contiguous and their starts/ends are non-decreasing along the
-sequence, so the union of all samples' blocks touching a tile is one key range
-``[lo, hi)``; tiles are grouped by padded range width and each group is a single
-batched matmul over all heads and tiles (no Python loop over heads x samples).
-``count`` for a tile is built with a difference array: +1 at each row's block
-start and -1 at its end, then a cumulative sum, i.e. ``O(s)`` scatters per row
-plus one pass, instead of ``s`` comparisons per score; rows whose blocks agree in
-every sample share one count row, and the causal mask is applied separately.
-Rows are owned by exactly one tile, so outputs are written once.
+Work is cut into *query tiles* of ``T`` rows of one head (:mod:`.torch_tiles`). The blocks
+containing a row are contiguous and their starts/ends are non-decreasing along the
+sequence (:mod:`.torch_plan`), so the union of all samples' blocks touching a tile is one
+key range ``[lo, hi)``; tiles are grouped by padded range width and each group is a single
+batched matmul over all heads and tiles (:mod:`.torch_kernels`). ``count`` for a tile is
+built with a difference array: +1 at each row's block start and -1 at its end, then a
+cumulative sum, i.e. ``O(s)`` scatters per row plus one pass; rows whose blocks agree in
+every sample share one count row, and the causal mask is applied separately. Rows are
+owned by exactly one tile, so outputs are written once. Cost: ``O(n d s b)`` time for
+positional LSH (``O(n d w)`` for a window ``w``), ``O(n (d + s))`` memory, no ``n x n``.
 
 Queries and keys need not be the same positions (:class:`Span`): query row ``i``
 sits at position ``q_start + i`` and key row ``j`` at ``k_start + j`` of a
-sequence of ``seq_len`` tokens, which is what decoding against a KV cache and
-context parallelism (a shard's queries against its halo and shard of keys) need.
-The keys must cover every key the queries can see; the op checks it.
+sequence of ``seq_len`` tokens (decoding against a KV cache, context parallelism);
+the keys must cover every key the queries can see, the op checks it. Packed documents
+(:mod:`poslsh.documents`): batch rows are grouped by packing, each packing gets its own
+row bounds (positions restart per document) and tiles that restart at every document.
 
-Backward is flash-attention 2's with the count-weighted probabilities,
-recomputed tile by tile from the saved ``lse``: memory ``O(n (d + s))`` plus one
-bounded chunk, never an ``n x n`` tensor. Both directions are ``torch.library``
-custom ops (see the end of this file).
+Backward is flash-attention 2's with the weighted probabilities, recomputed tile by tile
+from the saved ``lse``, through the ``lse`` too (it is a differentiable output). Both
+directions of both ops are ``torch.library`` custom ops (below).
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from ..partitions import Partitions
 from ..threads import intra_op_threads
-from .torch_plan import RowBounds, Span, TileGroup, choose_tiles, iter_chunks, plan_tiles, row_bounds
 from .registry import register_backend
-
-def gather_rows(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
-    """Rows ``idx`` of ``x [B, R, d]`` as ``[B, units, size, d]``. ``F.embedding`` is
-    the fastest row gather on CPU (about 3x ``index_select`` along dim 1)."""
-    B, rows, d = x.shape
-    if B > 1:
-        idx = (idx[None] + rows * torch.arange(B, device=idx.device)[:, None]).reshape(-1)
-    return F.embedding(idx, x.reshape(B * rows, d)).view(B, units, size, d)
-
-
-def flat_rows(x: Tensor, ct: torch.dtype) -> Tensor:
-    B, H, n, d = x.shape
-    return x.to(ct).reshape(B, H * n, d)
-
-
-def _biased_scores(Qg: Tensor, Kg: Tensor, log_count: Tensor, scale: float) -> Tensor:
-    """``scale * Q K^T + log count`` as ``[B, U, T, R]`` (-inf where no sample shares a block).
-    Consumes ``log_count`` (with one batch the matmul accumulates into it in place)."""
-    if Qg.shape[0] == 1:
-        return log_count.baddbmm_(Qg[0], Kg[0].transpose(-1, -2), alpha=scale)[None]
-    return torch.matmul(Qg, Kg.transpose(-1, -2)).mul_(scale).add_(log_count)
-
-
-def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: RowBounds, shape: AttnShape,
-            scale: float, need_lse: bool = True) -> Tuple[Tensor, Tensor]:
-    """Returns ``out [B, Hq, n, dv]`` (in ``q.dtype``) and ``lse [B, Hq, n]`` (float32/64;
-    left uninitialised when ``need_lse`` is False)."""
-    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
-    ct = compute_dtype(q.dtype)
-    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
-    out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)   # + sink row
-    lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, bounds, shape, ct):
-        Qg = gather_rows(qf, c.rows, c.units, c.tile)
-        Kg = gather_rows(kf, c.kv_rows, c.units, c.width)
-        Vg = gather_rows(vf, c.kv_rows, c.units, c.width)
-        s = _biased_scores(Qg, Kg, c.log_count, scale)
-        # Each query shares a block with itself in every sample: no row is all -inf.
-        if need_lse:
-            lse.index_copy_(1, c.out_rows, torch.logsumexp(s, -1).reshape(B, -1))
-        o = torch.matmul(torch.softmax(s, -1), Vg)
-        out.index_copy_(1, c.out_rows, o.reshape(B, -1, shape.v_dim))
-    return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
-
-
-def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks: Iterable,
-                   shape: AttnShape, scale: float, probabilities: Callable) -> Tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention-2's backward over ``chunks`` (anything with ``rows, out_rows, kv_rows,
-    units, tile, width``), shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
-    lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved ``lse``.
-
-    ``delta_i = sum_k P_ik dP_ik`` (flash-attention's ``rowsum(dO * O)``) is computed from
-    the recomputed probabilities in the compute dtype: a row's whole key range lies in
-    one tile, and the output rounded to 16 bits would cost low-precision gradients
-    most of their accuracy."""
-    B, Hq, Hkv, n, nk = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, k.shape[2]
-    ct = compute_dtype(q.dtype)
-    qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
-    zero_row = torch.zeros(B, 1, shape.v_dim, dtype=ct, device=q.device)
-    # Rows past n read the sink row: dO = 0 and lse = +inf, so their probabilities
-    # are exactly 0 and they add nothing to dk, dv (no inf * 0).
-    dof = torch.cat([flat_rows(dout, ct), zero_row], 1)
-    lse_f = torch.cat([lse.reshape(B, Hq * n).to(ct), torch.full_like(zero_row[..., 0], float("inf"))], 1)
-    dq = torch.zeros(B, Hq * n + 1, shape.head_dim, dtype=ct, device=q.device)
-    dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
-    dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
-    for c in chunks:
-        U, T, R = c.units, c.tile, c.width
-        Qg = gather_rows(qf, c.rows, U, T)
-        Kg = gather_rows(kf, c.kv_rows, U, R)
-        Vg = gather_rows(vf, c.kv_rows, U, R)
-        dOg = gather_rows(dof, c.out_rows, U, T)
-        p = probabilities(Qg, Kg, c, lse_f.index_select(1, c.out_rows).view(B, U, T, 1))
-        dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
-        dp = torch.matmul(dOg, Vg.transpose(-1, -2))
-        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)
-        dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
-        dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
-    return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
-
-
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-             groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, scale: float):
-    """Gradients ``dq, dk, dv`` by tile-wise recomputation with the saved ``lse``."""
-    def probabilities(Qg, Kg, c, lse_g):
-        return torch.exp_(_biased_scores(Qg, Kg, c.log_count, scale).sub_(lse_g))
-
-    chunks = iter_chunks(groups, bounds, shape, compute_dtype(q.dtype))
-    return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities)
-
+# flat_rows, gather_rows, tiled_backward: shared with the 2-D op (torch_grid imports them from here);
+# row_bounds, plan_tiles, choose_tiles: also used by benchmarks/bench_gpu.py.
+from .torch_kernels import backward, few_queries_forward, flat_rows, forward, gather_rows, tiled_backward  # noqa: F401
+from .torch_plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, window_block_widths, \
+    window_row_bounds
+from .torch_tiles import TileGroup, choose_tiles, plan_tiles  # noqa: F401
 
 # Query rows per head up to which one dense pass over each head's key range beats the tile
 # plan (decoding steps: the plan's per-group launches cost ~0.5 ms per layer per token).
 FEW_QUERIES = 16
 
-
-def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shape: AttnShape,
-                        scale: float) -> Tuple[Tensor, Tensor]:
-    """The forward for a few query rows (``n <= FEW_QUERIES``): every head's rows against the
-    union of their blocks, counts by comparing with the rows' block bounds. ``O(H n R (d + s))``
-    for key ranges of ``R`` keys, no tile plan. Same ``out``/``lse`` as :func:`forward`."""
-    Hq, n = shape.q_heads, shape.seqlen
-    ct = compute_dtype(q.dtype)
-    start, end = bounds.start, bounds.end                                     # [H, n, s] key rows
-    dev = start.device
-    rows = torch.arange(n, device=dev) + bounds.delta                         # the queries as key rows
-    lo = start.amin(dim=(1, 2))                                               # [H]
-    hi = end.amax(dim=(1, 2))
-    if bounds.causal:
-        hi = torch.clamp(hi, max=int(rows[-1]) + 1)
-    R = max(1, int((hi - lo).max()))
-    cols = lo[:, None] + torch.arange(R, device=dev)                          # [H, R]
-    inside = (start[..., None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[..., None])
-    count = inside.sum(2)                                                     # [H, n, R]
-    keep = (count > 0) & (cols < hi[:, None])[:, None, :]
-    if bounds.causal:
-        keep &= cols[:, None, :] <= rows[None, :, None]
-    bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
-    kv = (torch.arange(Hq, device=dev) // shape.group)[:, None]               # [H, 1] kv head of each head
-    idx = cols.clamp(max=shape.kv_len - 1)
-    K, V = k.to(ct)[:, kv, idx], v.to(ct)[:, kv, idx]                         # [B, H, R, d]
-    scores = torch.matmul(q.to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(torch.softmax(scores, -1), V).to(q.dtype), torch.logsumexp(scores, -1)
+KINDS = ("sequence", "window")
 
 
-# ------------------------------------------------------------------ custom ops
-# The backend is a pair of torch.library custom ops, like the Triton kernels: the
-# partitions travel as their two float64 tensors, everything derived from them is
-# built inside, so torch.compile(fullgraph=True) sees one opaque op per direction
-# (the plan has data-dependent shapes) and autograd saves only tensors.
-FWD_NAME = "poslsh::torch_attention_fwd"
-BWD_NAME = "poslsh::torch_attention_bwd"
+class Plan(NamedTuple):
+    """What one packing of the batch rows needs: the row bounds, the tiles (None on the
+    few-queries path) and the window op's slopes (None for positional LSH)."""
+
+    bounds: RowBounds
+    groups: Optional[List[TileGroup]]
+    slopes: Optional[Tensor]
+
+
+def make_plan(kind: str, a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device,
+              tiles: bool = True) -> Plan:
+    """``kind`` ``"sequence"``: ``a, b`` = partition widths, offsets ``[H, s]`` (float64);
+    ``"window"``: ``a, b`` = slopes ``[H]`` (float64), windows ``[H]`` (int64)."""
+    if kind == "sequence":
+        parts = Partitions(a, b)
+        bounds = row_bounds(parts, span, causal, device) if layout is None else \
+            document_row_bounds(parts, layout, causal, device)
+        widest, slopes = a, None
+    else:
+        bounds = window_row_bounds(b, span, causal, device, layout)
+        widest, slopes = window_block_widths(b), a
+    if not tiles:
+        return Plan(bounds, None, slopes)
+    n = span.n_q
+    segments = None if layout is None else layout.segments()
+    return Plan(bounds, plan_tiles(bounds, n, choose_tiles(widest, n), segments), slopes)
 
 
 def _shape(q: Tensor, k: Tensor, v: Tensor) -> AttnShape:
@@ -187,87 +95,141 @@ def _span(q: Tensor, k: Tensor, positions: List[int]) -> Span:
     return Span(q_start, k_start, q.shape[2], k.shape[2], seq_len)
 
 
-def _groups(widths: Tensor, bounds: RowBounds, n: int) -> List[TileGroup]:
-    return plan_tiles(bounds, n, choose_tiles(widths, n).to(bounds.start.device))
+def _packings(doc_start: Optional[Tensor], doc_end: Optional[Tensor]) -> List[Tuple[Optional[Tensor], Optional[Layout]]]:
+    """Batch rows grouped by how they pack documents: ``[(rows or None = all, layout or None)]``."""
+    if doc_start is None:
+        return [(None, None)]
+    if bool((doc_start == doc_start[:1]).all()):
+        return [(None, Layout(doc_start[0], doc_end[0]))]
+    distinct, which = torch.unique(doc_start, dim=0, return_inverse=True)
+    out = []
+    for g in range(distinct.shape[0]):
+        rows = torch.nonzero(which == g).flatten()
+        out.append((rows, Layout(doc_start[rows[0]], doc_end[rows[0]])))
+    return out
 
 
-@torch.library.custom_op(FWD_NAME, mutates_args=())
-def torch_attention_fwd(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, causal: bool,
-                        scale: float, need_lse: bool, positions: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``out [B, Hq, n, dv]`` (q.dtype), ``lse [B, Hq, n]`` (float32, float64 for float64 input;
-    unset unless ``need_lse``) and the query rows' block bounds ``start, end`` (int64
-    ``[H, n, s]``, key rows) that the backward reuses. ``positions`` is
-    ``[q_start, k_start, seq_len]`` (:class:`Span`)."""
-    shape = _shape(q, k, v)
-    bounds = row_bounds(Partitions(widths, offsets), _span(q, k, positions), causal, q.device)
-    # The kernel picks its own precision (float32/64 accumulation); autocast
-    # would turn its matmuls into bf16 and break the float32 buffers.
-    with torch.autocast(q.device.type, enabled=False):
-        if shape.seqlen <= FEW_QUERIES:
-            out, lse = few_queries_forward(q, k, v, bounds, shape, scale)
+def _rows(x: Optional[Tensor], rows: Optional[Tensor]) -> Optional[Tensor]:
+    return x if rows is None or x is None else x.index_select(0, rows)
+
+
+def _unpack(parts: List[Tensor], order: List[Optional[Tensor]]) -> Tensor:
+    """Per-packing results back in batch order (differentiable: a concatenation and a gather)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
+
+
+def run_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
+                doc_end: Optional[Tensor], causal: bool, scale: float, need_lse: bool, positions: List[int],
+                few: bool = True) -> Tuple[Tensor, Tensor]:
+    """``out [B, Hq, n, dv]`` and ``lse [B, Hq, n]`` of either op (``few``: allow the few-queries path)."""
+    span = _span(q, k, positions)
+    outs, lses, order = [], [], []
+    for rows, layout in _packings(doc_start, doc_end):
+        qs, ks, vs = (_rows(x, rows) for x in (q, k, v))
+        shape = _shape(qs, ks, vs)
+        dense = few and shape.seqlen <= FEW_QUERIES
+        plan = make_plan(kind, a, b, span, layout, causal, q.device, tiles=not dense)
+        if dense:
+            out, lse = few_queries_forward(qs, ks, vs, plan.bounds, shape, scale, plan.slopes)
         else:
-            out, lse = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, scale, need_lse)
-    return out.contiguous(), lse.contiguous(), bounds.start, bounds.end
+            out, lse = forward(qs, ks, vs, plan.groups, plan.bounds, shape, scale, need_lse, plan.slopes)
+        outs.append(out), lses.append(lse), order.append(rows)
+    return _unpack(outs, order), _unpack(lses, order)
 
 
-@torch_attention_fwd.register_fake
-def _(q, k, v, widths, offsets, causal, scale, need_lse, positions):
-    B, Hq, n, _ = q.shape
-    H, s = widths.shape
-    return (q.new_empty(B, Hq, n, v.shape[-1]), q.new_empty(B, Hq, n, dtype=compute_dtype(q.dtype)),
-            widths.new_empty(H, n, s, dtype=torch.int64), widths.new_empty(H, n, s, dtype=torch.int64))
+def run_backward(kind: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                 a: Tensor, b: Tensor, doc_start: Optional[Tensor], doc_end: Optional[Tensor], causal: bool,
+                 scale: float, positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of either op, by tile-wise recomputation (shapes and dtypes of ``q, k, v``)."""
+    span = _span(q, k, positions)
+    grads, order = [], []
+    for rows, layout in _packings(doc_start, doc_end):
+        qs, ks, vs, dos, ls, dls = (_rows(x, rows) for x in (q, k, v, dout, lse, dlse))
+        plan = make_plan(kind, a, b, span, layout, causal, q.device)
+        grads.append(backward(dos, qs, ks, vs, ls, plan.groups, plan.bounds, _shape(qs, ks, vs), scale, dls,
+                              plan.slopes))
+        order.append(rows)
+    return tuple(_unpack([g[i] for g in grads], order) for i in range(3))
 
 
-@torch.library.custom_op(BWD_NAME, mutates_args=())
-def torch_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, start: Tensor, end: Tensor,
-                        widths: Tensor, causal: bool, scale: float,
-                        positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` (contiguous, dtypes of q, k, v) by tile-wise recomputation."""
-    shape = _shape(q, k, v)
-    bounds = RowBounds(start, end, causal, _span(q, k, positions).delta)
-    with torch.autocast(q.device.type, enabled=False):
-        groups = _groups(widths, bounds, shape.seqlen)
-        dq, dk, dv = backward(dout.contiguous(), q, k, v, lse, groups, bounds, shape, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+# ------------------------------------------------------------------ custom ops
+# Each op is a pair of torch.library custom ops, like the Triton kernels: the positional
+# object travels as two tensors (partition widths and offsets, or window slopes and
+# sizes), packed documents as their start/end tensors; everything derived from them is
+# built inside, so torch.compile(fullgraph=True) sees one opaque op per direction (the
+# plan has data-dependent shapes) and autograd saves only tensors.
+FWD_NAME = "poslsh::torch_attention_fwd"
+BWD_NAME = "poslsh::torch_attention_bwd"
+WINDOW_FWD_NAME = "poslsh::torch_window_fwd"
+WINDOW_BWD_NAME = "poslsh::torch_window_bwd"
 
 
-@torch_attention_bwd.register_fake
-def _(dout, q, k, v, lse, start, end, widths, causal, scale, positions):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, widths, offsets, causal, scale, _, positions = inputs
-    out, lse, start, end = output
-    ctx.save_for_backward(q, k, v, lse, start, end, widths)
-    ctx.causal, ctx.scale, ctx.positions = causal, scale, tuple(positions)
-    ctx.mark_non_differentiable(lse, start, end)
-
-
-def _backward(ctx, dout, dlse, dstart, dend):
-    q, k, v, lse, start, end, widths = ctx.saved_tensors
-    if torch.is_grad_enabled():
-        # create_graph=True (gradient penalties, Hessian-vector products): differentiate a
-        # recomputation traced by autograd, so the gradients are differentiable in turn.
-        # Same tiles, no n x n tensor, but autograd keeps every chunk's scores alive.
-        shape = _shape(q, k, v)
-        bounds = RowBounds(start, end, ctx.causal, _span(q, k, list(ctx.positions)).delta)
+def _define_ops(kind: str, fwd_name: str, bwd_name: str):
+    """The forward custom op of ``kind`` with its backward op and autograd registered."""
+    @torch.library.custom_op(fwd_name, mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
+            doc_end: Optional[Tensor], causal: bool, scale: float, need_lse: bool,
+            positions: List[int]) -> Tuple[Tensor, Tensor]:
+        # The kernel picks its own precision (float32/64 accumulation); autocast
+        # would turn its matmuls into bf16 and break the float32 buffers.
         with torch.autocast(q.device.type, enabled=False):
-            out, _ = forward(q, k, v, _groups(widths, bounds, shape.seqlen), bounds, shape, ctx.scale, False)
-        wanted = [x for x in (q, k, v) if x.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
-        grads = [next(got) if x.requires_grad else None for x in (q, k, v)]
-        return (*grads, None, None, None, None, None, None)
-    args = (dout, q, k, v, lse, start, end, widths, ctx.causal, ctx.scale, list(ctx.positions))
-    if not torch.compiler.is_compiling() and _single_thread(q):
-        with intra_op_threads(1):
-            dq, dk, dv = torch_attention_bwd(*args)
-    else:
-        dq, dk, dv = torch_attention_bwd(*args)
-    return dq, dk, dv, None, None, None, None, None, None
+            out, lse = run_forward(kind, q, k, v, a, b, doc_start, doc_end, causal, scale, need_lse, positions)
+        return out.contiguous(), lse.contiguous()
+
+    @fwd.register_fake
+    def _(q, k, v, a, b, doc_start, doc_end, causal, scale, need_lse, positions):
+        B, Hq, n, _ = q.shape
+        return q.new_empty(B, Hq, n, v.shape[-1]), q.new_empty(B, Hq, n, dtype=compute_dtype(q.dtype))
+
+    @torch.library.custom_op(bwd_name, mutates_args=())
+    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlse: Optional[Tensor], a: Tensor,
+            b: Tensor, doc_start: Optional[Tensor], doc_end: Optional[Tensor], causal: bool, scale: float,
+            positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = run_backward(kind, dout.contiguous(), q, k, v, lse, dlse, a, b, doc_start, doc_end,
+                                      causal, scale, positions)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(dout, q, k, v, lse, dlse, a, b, doc_start, doc_end, causal, scale, positions):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, a, b, doc_start, doc_end, causal, scale, _, positions = inputs
+        ctx.save_for_backward(q, k, v, output[1], a, b, doc_start, doc_end)
+        ctx.causal, ctx.scale, ctx.positions = causal, scale, list(positions)
+        ctx.set_materialize_grads(False)      # an unused output's gradient arrives as None
+
+    def backward_fn(ctx, dout, dlse):
+        q, k, v, lse, a, b, doc_start, doc_end = ctx.saved_tensors
+        if dout is None:                      # only the lse was used
+            dout = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        if torch.is_grad_enabled():
+            # create_graph=True (gradient penalties, Hessian-vector products): differentiate a
+            # recomputation traced by autograd, so the gradients are differentiable in turn.
+            # Same tiles, no n x n tensor, but autograd keeps every chunk's scores alive.
+            with torch.autocast(q.device.type, enabled=False):
+                out, lse_again = run_forward(kind, q, k, v, a, b, doc_start, doc_end, ctx.causal, ctx.scale, True,
+                                             ctx.positions, few=False)
+            outputs, seeds = [out], [dout]
+            if dlse is not None:
+                outputs.append(lse_again), seeds.append(dlse)
+            wanted = [x for x in (q, k, v) if x.requires_grad]
+            got = iter(torch.autograd.grad(outputs, wanted, seeds, create_graph=True, allow_unused=True))
+            grads = [next(got) if x.requires_grad else None for x in (q, k, v)]
+        else:
+            args = (dout, q, k, v, lse, dlse, a, b, doc_start, doc_end, ctx.causal, ctx.scale, ctx.positions)
+            grads = _maybe_single_thread(bwd, q, args)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+    fwd.register_autograd(backward_fn, setup_context=setup_context)
+    return fwd, bwd
 
 
-torch_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+torch_attention_fwd, torch_attention_bwd = _define_ops("sequence", FWD_NAME, BWD_NAME)
+torch_window_fwd, torch_window_bwd = _define_ops("window", WINDOW_FWD_NAME, WINDOW_BWD_NAME)
 
 
 # On a CPU shared with other work, one intra-op thread for the call. A call is hundreds of
@@ -294,28 +256,50 @@ def cpu_oversubscribed() -> bool:
             return False
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, shape: AttnShape, causal: bool,
-              scale: float, span: Optional[Span] = None) -> Tensor:
-    """Positional-LSH attention on the torch backend; ``span`` places the queries
-    and keys in the sequence (default: self-attention)."""
-    span = span or Span.self_attention(shape.seqlen)
-    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    args = (q, k, v, partitions.widths, partitions.offsets, bool(causal), float(scale), need_lse,
-            [span.q_start, span.k_start, span.seq_len])
-    if not torch.compiler.is_compiling() and _single_thread(q):
-        with intra_op_threads(1):
-            return torch_attention_fwd(*args)[0]
-    return torch_attention_fwd(*args)[0]
-
-
 def _single_thread(q: Tensor) -> bool:
     return (SINGLE_THREAD_WHEN_BUSY and q.device.type == "cpu" and torch.get_num_threads() > 1
             and cpu_oversubscribed())
 
 
+def _maybe_single_thread(op, q: Tensor, args):
+    if not torch.compiler.is_compiling() and _single_thread(q):
+        with intra_op_threads(1):
+            return op(*args)
+    return op(*args)
+
+
+def attention(kind: str, q: Tensor, k: Tensor, v: Tensor, positional, shape: AttnShape, causal: bool,
+              scale: float, span: Optional[Span] = None, documents=None,
+              return_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Either op on the torch backend: ``(out [B, Hq, n, dv], lse [B, Hq, n] or None)``.
+    ``positional``: :class:`~poslsh.partitions.Partitions` (``"sequence"``) or
+    :class:`~poslsh.alibi.AlibiWindow` (``"window"``); ``span`` places the queries and keys
+    (default: self-attention); ``documents``: :class:`~poslsh.documents.Documents` or None."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    span = span or Span.self_attention(shape.seqlen)
+    need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    a, b = (positional.widths, positional.offsets) if kind == "sequence" else (positional.slopes, positional.window)
+    doc_start, doc_end = (None, None) if documents is None else (documents.start, documents.end)
+    op = torch_attention_fwd if kind == "sequence" else torch_window_fwd
+    args = (q, k, v, a, b, doc_start, doc_end, bool(causal), float(scale), need_lse,
+            [span.q_start, span.k_start, span.seq_len])
+    out, lse = _maybe_single_thread(op, q, args)
+    return out, (lse if return_lse else None)
+
+
 def _sequence(call):
     """The registry's entry (``backend="torch"``, op ``"sequence"``)."""
-    return attention(call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale, call.span), None
+    return attention("sequence", call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale,
+                     call.span, call.documents, call.return_lse)
 
 
-register_backend("torch", _sequence, op="sequence", features=("spans",), preferred=lambda q: True, priority=0)
+def _window(call):
+    """The registry's entry (``backend="torch"``, op ``"window"``)."""
+    return attention("window", call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale,
+                     call.span, call.documents, call.return_lse)
+
+
+FEATURES = ("spans", "documents", "lse")
+register_backend("torch", _sequence, op="sequence", features=FEATURES, preferred=lambda q: True, priority=0)
+register_backend("torch", _window, op="window", features=FEATURES)

@@ -1,30 +1,29 @@
-"""The torch backend's plan: where the queries and keys sit (:class:`Span`), each query row's
-blocks as key rows (:class:`RowBounds`), query tiles grouped by padded key-range width
-(:class:`TileGroup`) and the chunks the kernels loop over (:class:`Chunk`, with the
-``log count`` bias built by difference arrays). Plain torch; see :mod:`.torch_impl`.
+"""The torch backend's geometry: where the queries and keys sit (:class:`Span`) and, for every
+query row, the key rows it may see (:class:`RowBounds`), for both ops and packed documents.
+
+Every op of the backend is described the same way: per (head, query row, sample) one
+contiguous block of key rows ``[start, end)``, non-decreasing along the rows of a document.
+
+* positional LSH (``"sequence"``): the ``s`` blocks of the query's position, from the one block
+  geometry of :mod:`poslsh.partitions`;
+* the window op (``"window"``): one "sample" whose block is ``[i - w_h, i + w_h + 1)``, clipped
+  to the sequence;
+* packed documents (:mod:`poslsh.documents`): positions restart in every document, so a query's
+  blocks are those of its *local* position, shifted by its document's start and cut at its end.
+
+The tile plan (:mod:`.torch_tiles`) needs nothing else. Plain torch.
 """
 from __future__ import annotations
 
-import math
-from typing import Iterator, List, NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import AttnShape
 from ..partitions import Partitions
 
-__all__ = ["CHUNK_ELEMENTS", "Span", "RowBounds", "TileGroup", "Chunk", "row_bounds", "plan_tiles", "choose_tiles",
-           "iter_chunks"]
-
-# Score elements (batch x tiles x T x R) per chunk: bounds transient memory (a few
-# such buffers live at once, ~16 MiB each in float32) while keeping the batched matmuls
-# large. Fewer, larger chunks also mean fewer parallel regions per call: on a CPU shared
-# with other processes every region's barrier can wait a scheduler time slice for a
-# descheduled thread, so at n = 16384 (H = 4, s = 10, 2 threads, load ~7 on 2 cores)
-# 2^22 took 1.8 s per forward against 3.6 s for 2^21 (benchmarks/bench_cpu.py --busy).
-CHUNK_ELEMENTS = 1 << 22
+__all__ = ["Span", "RowBounds", "Layout", "row_bounds", "document_row_bounds", "window_row_bounds",
+           "window_block_widths"]
 
 
 class Span(NamedTuple):
@@ -62,18 +61,33 @@ class RowBounds(NamedTuple):
     delta: int = 0
 
 
-class TileGroup(NamedTuple):
-    """Query tiles of ``tile`` rows whose key range is padded to ``width``; ``[U]`` each."""
+class Layout(NamedTuple):
+    """One packing of a row of ``n`` tokens into documents: per token the packed index of its
+    document's first token (``start``) and one past its last (``end``), int64 ``[n]``."""
 
-    tile: int
-    width: int
-    head: Tensor     # query head
-    q0: Tensor       # first query row
-    k0: Tensor       # first key row of the range
+    start: Tensor
+    end: Tensor
+
+    def segments(self) -> Tuple[Tensor, Tensor]:
+        """First token and one past the last of every document, in order (int64 ``[D]`` twice)."""
+        first = torch.nonzero(self.start == torch.arange(self.start.numel(), device=self.start.device)).flatten()
+        return first, self.end[first]
+
+
+def _check_covered(start: Tensor, end: Tensor, pos: Tensor, span: Span, causal: bool) -> None:
+    """The keys ``[k_start, k_start + n_k)`` must hold every key the queries at ``pos`` can see
+    (absolute ``[start, end)`` of any shape ending in the query axis)."""
+    need_lo = int(start.min())
+    need_hi = int(torch.minimum(end, pos + 1).max() if causal else end.max())
+    if need_lo < span.k_start or need_hi > span.k_start + span.n_k:
+        raise ValueError(
+            f"keys cover positions [{span.k_start}, {span.k_start + span.n_k}) but the queries at "
+            f"[{span.q_start}, {span.q_start + span.n_q}) can see keys in [{need_lo}, {need_hi}): pass keys from "
+            f"k_start <= {need_lo} to at least {need_hi} (a cache must not drop keys a later query needs)")
 
 
 def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
-    """The query rows' blocks as key rows; ``span`` is a :class:`Span` or, for
+    """Positional LSH: the query rows' blocks as key rows; ``span`` is a :class:`Span` or, for
     self-attention, the sequence length. Raises if the keys miss a key a query can see."""
     if not isinstance(span, Span):
         span = Span.self_attention(int(span))
@@ -86,119 +100,49 @@ def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
         return RowBounds(start.to(device).contiguous(), end.to(device).contiguous(), causal, 0)
     pos = torch.arange(span.q_start, span.q_start + span.n_q, device=partitions.device)
     start, end = partitions.block_bounds(span.seq_len, pos)                 # [H, s, n_q], absolute
-    need_lo = int(start.min())
-    need_hi = int(torch.minimum(end, pos + 1).max() if causal else end.max())
-    if need_lo < span.k_start or need_hi > span.k_start + span.n_k:
-        raise ValueError(
-            f"keys cover positions [{span.k_start}, {span.k_start + span.n_k}) but the queries at "
-            f"[{span.q_start}, {span.q_start + span.n_q}) can see keys in [{need_lo}, {need_hi}): pass keys from "
-            f"k_start <= {need_lo} to at least {need_hi} (a cache must not drop keys a later query needs)")
+    _check_covered(start, end, pos, span, causal)
     start, end = (x.transpose(1, 2).to(device).contiguous() - span.k_start for x in (start, end))
     return RowBounds(start, end, causal, span.delta)
 
 
-def _pad_width(r: Tensor) -> Tensor:
-    """Round key-range widths up to a coarse grid (<= 25% padding) so few groups form."""
-    q = torch.clamp(2 ** (torch.log2(r.double().clamp(min=1)).floor().long() - 2), min=16)
-    return (r + q - 1) // q * q
+def document_row_bounds(partitions: Partitions, layout: Layout, causal: bool, device) -> RowBounds:
+    """Positional LSH over packed documents (self-attention): the blocks of each token's position
+    inside its document (the partition laid over the document from its own start), shifted to
+    packed rows and cut at the document's end, so no block reaches into another document.
+
+    The blocks of ``[0, L)`` are those of ``[0, L_max)`` cut at ``L`` (the partition starts at 0
+    either way), so one :func:`row_bounds` of the longest document serves every document: its
+    rows are gathered at the local positions (``O(H s (L_max + n))``, the geometry of
+    :meth:`~poslsh.partitions.Partitions.blocks`, bit-identical to ``block_bounds``)."""
+    n = layout.start.numel()
+    doc_start, doc_end = layout.start.to(device), layout.end.to(device)
+    local = torch.arange(n, device=device) - doc_start
+    longest = row_bounds(partitions, int((doc_end - doc_start).max()), causal, device)   # [H, L_max, s]
+    start = longest.start.index_select(1, local) + doc_start[None, :, None]
+    end = torch.minimum(longest.end.index_select(1, local) + doc_start[None, :, None], doc_end[None, :, None])
+    return RowBounds(start.contiguous(), end.contiguous(), causal, 0)
 
 
-def plan_tiles(bounds: RowBounds, n: int, tiles: Tensor) -> List[TileGroup]:
-    """Cut the ``n`` query rows of head ``h`` into tiles of ``tiles[h]`` rows; group all
-    tiles by (tile, padded key-range width)."""
-    dev = bounds.start.device
-    groups = []
-    for T in torch.unique(tiles).tolist():
-        heads = torch.nonzero(tiles == T).flatten()
-        q0 = torch.arange(0, n, T, device=dev)
-        last = torch.clamp(q0 + T, max=n) - 1
-        lo = bounds.start[heads][:, q0].amin(-1)              # [h, tiles]: starts grow along rows
-        hi = bounds.end[heads][:, last].amax(-1)              # ends grow along rows
-        if bounds.causal:
-            hi = torch.minimum(hi, last + 1 + bounds.delta)
-        width = _pad_width(hi - lo).reshape(-1)
-        head = heads[:, None].expand_as(lo).reshape(-1)
-        q0, lo = q0[None].expand_as(lo).reshape(-1), lo.reshape(-1)
-        for w in torch.unique(width).tolist():
-            sel = width == w
-            groups.append(TileGroup(int(T), int(w), head[sel], q0[sel], lo[sel]))
-    return groups
+def window_row_bounds(window: Tensor, span: Span, causal: bool, device, layout: Optional[Layout] = None) -> RowBounds:
+    """The window op: query ``i`` (position ``p``) of head ``h`` sees the keys at
+    ``[p - w_h, p + w_h]``, clipped to the sequence (or to its document with ``layout``): one
+    block per row (``s = 1``), non-decreasing along the rows."""
+    # (a window past the sequence is the whole sequence; clamping first keeps p + w in range)
+    w = window.to(device=device, dtype=torch.int64).clamp(max=span.seq_len)[:, None]   # [H, 1]
+    pos = torch.arange(span.q_start, span.q_start + span.n_q, device=device)   # absolute positions
+    if layout is None:
+        lo, hi = torch.zeros_like(pos), torch.full_like(pos, span.seq_len)
+    else:                                                                      # self-attention: rows = positions
+        lo, hi = layout.start.to(device), layout.end.to(device)
+    start = torch.maximum(pos - w, lo)                                        # [H, n_q]
+    end = torch.minimum(pos + w + 1, hi)
+    _check_covered(start, end, pos, span, causal)
+    return RowBounds((start - span.k_start)[..., None].contiguous(), (end - span.k_start)[..., None].contiguous(),
+                     causal, span.delta)
 
 
-def choose_tiles(widths: Tensor, n: int) -> Tensor:
-    """Query-tile height per head from its widest block (``widths [H, s]``): 32 rows (< 128),
-    64 (< 1024), else 128. A taller tile shares one gathered key range among more queries,
-    but a causal tile wastes about half its height in keys per row; measured at sigma = 4..256."""
-    widest = widths.amax(1).cpu()
-    t = torch.where(widest < 128, 32, torch.where(widest < 1024, 64, 128))
-    return torch.clamp(t, max=1 << max(0, math.ceil(math.log2(n))))
-
-
-class Chunk(NamedTuple):
-    rows: Tensor       # [U*T] flat query rows into [Hq*n_q] (clamped in range)
-    out_rows: Tensor   # [U*T] same, rows past n_q go to the sink row Hq*n_q
-    kv_rows: Tensor    # [U*R] flat key rows into [Hkv*n_k] (clamped in range)
-    log_count: Tensor  # [U, T, R] log(#samples in which query and key share a block), -inf if none
-    units: int
-    tile: int
-    width: int
-
-
-def _units_per_chunk(g: TileGroup, batch: int) -> int:
-    return max(1, CHUNK_ELEMENTS // (batch * g.tile * g.width))
-
-
-def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct) -> Iterator[Chunk]:
-    n, nk, Hq, group = shape.seqlen, shape.kv_len, shape.q_heads, shape.group
-    H, _, s = bounds.start.shape
-    causal, delta = bounds.causal, bounds.delta
-    # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
-    start_rows = bounds.start.view(H * n, s)
-    end_rows = bounds.end.view(H * n, s)
-    dev = start_rows.device
-    log_table = torch.arange(s + 1, dtype=ct, device=dev).log()   # log 0 = -inf
-    # Buffers reused by every chunk (fresh large allocations cost page faults each
-    # time). The difference buffer is zero between chunks: each chunk's scatters are
-    # undone after use, O(s) per row instead of re-zeroing O(R) per row.
-    cap = max(min(_units_per_chunk(g, shape.batch), g.head.numel()) * g.tile * (g.width + 1) for g in groups)
-    diff_buf = torch.zeros(cap, dtype=torch.int64, device=dev)
-    count_buf = torch.empty(cap, dtype=torch.int64, device=dev)
-    for g in groups:
-        T, R = g.tile, g.width
-        per_chunk = _units_per_chunk(g, shape.batch)
-        ar_t, ar_r = torch.arange(T, device=dev), torch.arange(R, device=dev)
-        for lo in range(0, g.head.numel(), per_chunk):
-            head, q0, k0 = g.head[lo:lo + per_chunk], g.q0[lo:lo + per_chunk], g.k0[lo:lo + per_chunk]
-            U = head.numel()
-            pos = q0[:, None] + ar_t                                   # [U, T] query rows
-            rows = head[:, None] * n + pos.clamp(max=n - 1)
-            out_rows = torch.where(pos < n, rows, torch.full_like(rows, Hq * n)).reshape(-1)
-            rows = rows.reshape(-1)
-            keys = (k0[:, None] + ar_r).clamp(max=nk - 1)
-            kv_rows = ((head // group)[:, None] * nk + keys).reshape(-1)
-            # Rows of a tile whose blocks are the same in every sample have the same
-            # counts: build them once per run of such rows ("segment"), then copy rows.
-            start_r = start_rows.index_select(0, rows)                # [U*T, s]
-            new_seg = torch.ones(U, T, dtype=torch.bool, device=dev)
-            new_seg[:, 1:] = (start_r.view(U, T, s)[:, 1:] != start_r.view(U, T, s)[:, :-1]).any(-1)
-            new_seg = new_seg.view(-1)
-            rep = torch.nonzero(new_seg).flatten()
-            seg = torch.cumsum(new_seg, 0) - 1
-            M = rep.numel()
-            base = k0.repeat_interleave(T)[rep, None]
-            rel_start = start_r[rep] - base                             # [M, s], >= 0
-            rel_end = (end_rows.index_select(0, rows[rep]) - base).clamp_(max=R)
-            diff = diff_buf[: M * (R + 1)].view(M, R + 1)
-            one = torch.ones((), dtype=torch.int64, device=dev).expand(rel_start.shape)
-            diff.scatter_add_(1, rel_start, one).scatter_add_(1, rel_end, -one)
-            count = torch.cumsum(diff, 1, out=count_buf[: M * (R + 1)].view(M, R + 1))
-            diff.scatter_add_(1, rel_start, -one).scatter_add_(1, rel_end, one)   # back to zeros
-            # log via a table: integer counts 0..s, and torch.log is slow on zeros.
-            log_count = F.embedding(seg, torch.take(log_table, count[:, :R])).view(U, T, R)
-            if causal:  # keys after the query: only columns from the earliest tile start on
-                c0 = max(0, int((q0 + delta - k0).min()))
-                later = (k0[:, None] + ar_r[c0:])[:, None, :] > (pos + delta)[:, :, None]
-                log_count[:, :, c0:].masked_fill_(later, float("-inf"))
-            yield Chunk(rows, out_rows, kv_rows, log_count, U, T, R)
-
-
+def window_block_widths(window: Tensor) -> Tensor:
+    """The block width of each head of a window, ``2 w_h + 1`` (``[H, 1]``, not clipped to the
+    sequence, like a partition's bin widths): what the tile height is chosen from
+    (:func:`~poslsh.ops.torch_tiles.choose_tiles`), so a packed document gets the tiles it gets alone."""
+    return 2 * window.to(torch.int64).clamp(max=1 << 40)[:, None] + 1

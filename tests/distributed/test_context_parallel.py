@@ -14,9 +14,7 @@ from poslsh.distributed import ShardLayout, key_ranges, shard_range
 
 from cp_harness import attention_worker, case_positional, case_tensors, error_worker, run_world
 
-# The backend of the window op's local kernel. Only the "reference" backend runs the window
-# op with spans today; switch to "torch" when the torch backend serves it.
-WINDOW_BACKEND = "reference"
+WINDOW_BACKEND = "torch"    # the window op's local kernel
 
 MIXED = [1.5, 6.0, 40.0, 400.0]       # narrow to wider than a shard
 WIDE = [60.0, 200.0, 700.0, 2000.0]   # blocks span several shards: multi-hop halos

@@ -10,8 +10,7 @@ from poslsh.integrations import hf  # noqa: E402
 from poslsh.seeding import stable_seed  # noqa: E402
 
 H, KV, D = 4, 2, 8   # GQA: 2 query heads per key/value head
-# Packed documents run on the "reference" backend until the torch backend serves them; then "auto".
-PACKED_BACKEND = "reference"
+PACKED_BACKEND = "auto"
 
 
 def tiny_config(family="qwen3", **kw):

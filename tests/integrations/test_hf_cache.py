@@ -15,9 +15,7 @@ from poslsh.integrations import hf, hf_cache, hf_masks  # noqa: E402
 from poslsh.integrations.hf_convert import attention_modules  # noqa: E402
 
 SCHEMES = ["poslsh", "fixed_blocks"]
-# The window op and packed documents run on the dense "reference" backend here (small n): the
-# torch backend does not serve them yet. Switch to "torch" when it does.
-WINDOW_AND_DOCUMENTS_BACKEND = "reference"
+WINDOW_AND_DOCUMENTS_BACKEND = "torch"
 
 
 def tiny(scheme, H=4, KV=2, layers=2, dtype=torch.float32, seed=0, **params):

@@ -9,9 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from poslsh.integrations import hf  # noqa: E402
 
-# Packed documents run on the "reference" backend until the torch backend serves them (and the
-# window op); switch to "auto" then.
-BACKEND = "reference"
+BACKEND = "auto"
 H, KV, D, VOCAB = 4, 2, 8, 61
 LENGTHS = [1, 7, 1, 13, 2, 9]        # awkward: 1-token documents, odd lengths
 SCHEMES = {"poslsh": dict(num_samples=3), "fixed_blocks": dict(block_size=5), "alibi": {},

@@ -13,8 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from poslsh.integrations import hf  # noqa: E402
 
-# alibi-window's op runs on the "reference" backend until the torch backend serves it; then "auto".
-BACKEND = "reference"
+BACKEND = "auto"
 H, KV, D, VOCAB = 4, 2, 8, 61
 SCHEMES = {"poslsh": dict(num_samples=4, seed=3, eval_seed=5), "fixed_blocks": dict(block_size=6), "alibi": {},
            "alibi-window": dict(window_cost_samples=3, backend=BACKEND)}

@@ -140,7 +140,7 @@ def test_partitions_on_other_device_are_moved():
 @pytest.mark.parametrize("chunk", [1 << 9, 1 << 13])
 def test_small_chunks_match_reference(monkeypatch, chunk):
     """Many chunks per group (reused buffers, ragged last chunk), batch 2, both passes."""
-    import poslsh.ops.torch_plan as ti
+    import poslsh.ops.torch_tiles as ti
 
     monkeypatch.setattr(ti, "CHUNK_ELEMENTS", chunk)
     q, k, v = make_qkv(2, 4, 2, 300, 8, seed=21, requires_grad=True)
@@ -169,6 +169,7 @@ def test_torch_backend_compiles_fullgraph():
     function that calls it (no graph break on the plan's data-dependent shapes), and the
     compiled forward and backward equal the eager ones and the float64 oracle."""
     torch._dynamo.reset()
+    poslsh.available_backends()   # backends register on first use: not inside a trace
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 5, seed=1)
     q, k, v = make_qkv(2, 4, 2, 97, 16, requires_grad=True)
 
@@ -191,7 +192,7 @@ def test_torch_custom_ops_pass_opcheck():
     q, k, v = make_qkv(1, 2, 1, 33, 8, requires_grad=True)
     k, v = (torch.cat([x, x[:, :, :5]], 2).detach().requires_grad_() for x in (k, v))   # 38 keys at [0, 38)
     torch.library.opcheck(torch_impl.torch_attention_fwd,
-                          (q, k, v, parts.widths, parts.offsets, True, 0.3, True, [5, 0, 40]),
+                          (q, k, v, parts.widths, parts.offsets, None, None, True, 0.3, True, [5, 0, 40]),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
