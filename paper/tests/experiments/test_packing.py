@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-import poslsh  # noqa: E402
 from poslsh_paper.cli import main as poslsh_main  # noqa: E402
 from poslsh_paper.data.tokens import batch_windows, document_positions, num_windows  # noqa: E402
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
@@ -30,14 +29,6 @@ from test_train import tiny_cfg  # noqa: E402
 
 SEP = 0
 METHODS = ["original", "alibi", "poslsh-s3", "fixed_blocks", "alibi-wcost2", "alibi-w1.5"]
-
-
-@pytest.fixture(autouse=True)
-def _reference_until_merged(monkeypatch):   # TEMPORARY: until the torch window/documents backend lands
-    from poslsh_paper.experiments.lm import model as lm_model
-    if "torch" not in poslsh.available_backends(op="window"):
-        real = lm_model._scheme_params
-        monkeypatch.setattr(lm_model, "_scheme_params", lambda cfg: {**real(cfg), "backend": "reference"})
 
 
 def test_document_positions_restart_at_every_separator():

@@ -22,14 +22,6 @@ from poslsh_paper.experiments.lm.model import build_model, positional_config  # 
 from test_train import final_params, tiny_cfg  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _reference_until_merged(monkeypatch):   # TEMPORARY: until the torch window/documents backend lands
-    from poslsh_paper.experiments.lm import model as lm_model
-    if "torch" not in poslsh.available_backends(op="window"):
-        real = lm_model._scheme_params
-        monkeypatch.setattr(lm_model, "_scheme_params", lambda cfg: {**real(cfg), "backend": "reference"})
-
-
 def test_window_method_names_and_labels(tmp_path):
     assert parse_method("alibi-w4") == ("alibi-window", 1, "iid", None, 4.0, None)
     assert parse_method("alibi-w2.5").window_sigmas == 2.5 and parse_method("alibi-w0.5").window_sigmas == 0.5
