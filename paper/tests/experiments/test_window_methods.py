@@ -117,3 +117,34 @@ def test_finding_positional_lsh_against_the_window_of_its_cost():
                           "of 2 seeds; the window vs exact ALiBi: +1.04%; counted as matching up to +1%): holds.")
     assert "2x (extrapolation)" in two and two.endswith(": holds.")
     assert "gap +2.86%; per seed: +2.08%, +3.63%; lower in 0 of 2 seeds" in four and four.endswith("does NOT hold.")
+
+
+def test_streaming_evaluation_of_a_window_method(tmp_path):
+    """``poslsh eval --streaming`` serves the window methods: the bounded cache (max_h w_h keys)
+    scores each token exactly as one full-context forward does."""
+    import json
+    from dataclasses import fields
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    from poslsh_paper.experiments.lm.commands import eval_main
+    from poslsh_paper.experiments.lm.config import EvalCommand, TrainConfig
+    from poslsh_paper.experiments.lm.evaluation import streaming_scores
+
+    cfg = tiny_cfg(tmp_path, method="alibi-w0.5", steps=2, ckpt_interval=2)      # windows 2, 8, 32, 128
+    train(cfg, progress=False, evaluate=False)
+    model = build_model(cfg, 300).double().eval()
+    tokens = np.random.default_rng(0).integers(1, 300, 301)
+    nll, _, cache = streaming_scores(model, tokens, 64, torch.device("cpu"))
+    with torch.no_grad():
+        full = F.cross_entropy(model(torch.from_numpy(tokens[:-1])[None]).logits[0], torch.from_numpy(tokens[1:]),
+                               reduction="none").numpy()
+    assert float(np.abs(nll - full).max()) < 1e-10
+    print(cache.stats())
+    assert all(s["bound"] == 128 and s["kept"] <= 128 for s in cache.stats())     # the widest window, not 300
+    base = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}
+    assert eval_main(EvalCommand(**{**base, "eval_tokens": 300, "eval_batch_tokens": 64}, streaming=True,
+                                 progress=False)) == 0
+    res = json.loads((run_dir(cfg) / "eval-test-streaming.json").read_text())["streaming"]
+    assert res["tokens"] == 300 and math.isfinite(res["ppl"])

@@ -113,7 +113,7 @@ class EvalCommand(TrainConfig):
     checkpoint: Optional[str] = None  # checkpoint dir, run dir, checkpoints/latest, or init: the model as built, untrained (default: this run's latest)
     progress: bool = True             # print each length's result as it finishes
     documents: bool = False           # evaluate with documents kept apart, as --pack trains: positions restart at every separator, no attention across documents
-    streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
+    streaming: bool = False           # poslsh, fixed_blocks, the ALiBi windows: the split as one document through the bounded KV cache, PPL vs position
 
 
 @dataclass

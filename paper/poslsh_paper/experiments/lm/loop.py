@@ -265,6 +265,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
     if per_rank % micro:
         raise ConfigError(f"micro_batch_size {micro} must divide the per-rank batch {per_rank}")
     out_dir = run_dir(cfg)
+    code = code_version()      # the code this process loaded (not what the checkout holds when it ends)
     data = load_data(cfg, dist)
     model = build_model(cfg, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
     params = trainable_parameters(model)
@@ -318,7 +319,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
               "final_train_loss": state.history[-1][1] if state.history else None,
               "train_time_s": round(state.elapsed_s, 1), "train_tokens": tokens,
               "train_tokens_per_s": round(tokens / max(state.elapsed_s, 1e-9), 1),
-              "world_size": dist.world, "data": data.meta.get("splits"), "code": code_version(),
+              "world_size": dist.world, "data": data.meta.get("splits"), "code": code,
               "config": config_to_dict(cfg)}
     if evaluate:
         t0 = time.perf_counter()
