@@ -123,6 +123,8 @@ def test_a_packed_run_is_recorded_and_named_apart(tmp_path, monkeypatch):
     restarts = sum(int((p[:, 1:] == 0).sum()) for p in seen)     # documents opening inside a window
     assert restarts > 0, "no separator in 3 steps of windows: the test's data do not exercise packing"
     assert json.loads((run_dir(cfg) / "config.json").read_text())["pack"] is True
+    code = result["code"]          # the commit of the checkout that trained it (None outside git)
+    assert code is None or (len(code["commit"]) == 40 and isinstance(code["modified"], bool))
     assert layout_name(cfg) == "smoke-packed" and run_dir(cfg).parts[-3:] == ("smoke-packed", "poslsh-s2", "seed0")
     assert run_dir(replace(cfg, pack=False)).parts[-3] == "smoke"
     pack = get_preset("cpu-pack")
