@@ -13,6 +13,12 @@
   stream (consecutive windows share one token, so every token is a target once
   per epoch); the order is a per-epoch permutation drawn from ``(seed, epoch)``,
   so batch ``t`` is a pure function of ``t`` (resume and DDP need no sampler state).
+* Packed training (``--pack``) uses the very same windows, cut into documents at their
+  separators (:func:`document_positions`): a separator opens the document that follows it
+  (it is that document's position 0, like a BOS token), so every target is predicted from
+  its own document only: the first token of a document from the separator alone, the
+  separator that closes a document from that document. Every target counts once; nothing is
+  padded.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from poslsh_paper.io import atomic_write_bytes
 from poslsh_paper.data.corpus import CorpusNotFound, Document, corpus_files, load_documents, split_documents
 
 __all__ = ["DataConfig", "Tokenizer", "TokenData", "load_tokenizer", "train_bpe_tokenizer", "load_token_data",
-           "synthetic_documents", "batch_windows", "default_cache_dir", "CorpusNotFound"]
+           "synthetic_documents", "batch_windows", "document_positions", "default_cache_dir", "CorpusNotFound"]
 
 FORMAT_VERSION = 1
 SEPARATOR = "<|endoftext|>"
@@ -266,3 +272,16 @@ def batch_windows(tokens: np.ndarray, seq_len: int, step: int, batch_size: int, 
         w = int(_epoch_order(num, seed, int(p // num))[p % num])
         out[r] = tokens[w * seq_len: w * seq_len + seq_len + 1]
     return out
+
+
+def document_positions(inputs: np.ndarray, separator_id: int) -> np.ndarray:
+    """Position ids ``[rows, n]`` int64 of packed documents in input rows ``[rows, n]``: 0 at each
+    row's first token and at every ``separator_id`` (which opens the next document), then counting
+    up. Hugging Face models read such restarting position ids as packed documents (no attention
+    across them); a row without a separator is ``0 .. n-1``, as unpacked."""
+    inputs = np.asarray(inputs)
+    if inputs.ndim != 2:
+        raise ValueError(f"inputs must be [rows, n], got shape {inputs.shape}")
+    idx = np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int64), inputs.shape)
+    start = np.where(inputs == separator_id, idx, 0)
+    return idx - np.maximum.accumulate(start, axis=1)

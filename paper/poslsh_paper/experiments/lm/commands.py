@@ -93,7 +93,7 @@ def train_main(cmd: TrainCommand, given=frozenset()) -> int:
     return 0
 
 
-def _eval_path(cfg: TrainConfig, ckpt, initial: bool, streaming: bool) -> Path:
+def _eval_path(cfg: TrainConfig, ckpt, initial: bool, streaming: bool, documents: bool = False) -> Path:
     """Where an evaluation is filed: in the run directory, or (another run's checkpoint) next to
     that checkpoint under a name that says what it was evaluated as."""
     check_name("eval_split", cfg.eval_split)
@@ -104,21 +104,26 @@ def _eval_path(cfg: TrainConfig, ckpt, initial: bool, streaming: bool) -> Path:
         recorded = _recorded(ckpt.parent.parent) or {}
         preset = "" if recorded.get("preset", cfg.preset) == cfg.preset else f"{cfg.preset}."
         tag, where = f"-as-{preset}{cfg.method}", ckpt.parent.parent
-    return where / f"eval-{cfg.eval_split}{tag}{'-streaming' if streaming else ''}.json"
+    mode = "-streaming" if streaming else "-documents" if documents else ""
+    return where / f"eval-{cfg.eval_split}{tag}{mode}.json"
 
 
 def eval_main(cmd: EvalCommand) -> int:
     """Evaluate a checkpoint as ``cmd.method``; writes ``eval-<split>.json`` in the run directory
     (or, for another run's checkpoint, ``eval-<split>-as-<method>.json`` next to that run);
-    ``--streaming`` writes ``eval-<split>[-as-<method>]-streaming.json``. ``--checkpoint init``
+    ``--streaming`` writes ``eval-<split>[-as-<method>]-streaming.json``, ``--documents`` (each window's
+    documents kept apart, as ``--pack`` trains) ``eval-<split>[-as-<method>]-documents.json``. ``--checkpoint init``
     evaluates the model as built, before any step (LoRA: the pretrained model with its positional
     scheme replaced; scratch: the initialisation), into ``eval-<split>-init[-streaming].json``.
     The checkpoint must fit the model exactly (every trainable tensor, by name and shape)."""
     cfg = experiment_config(cmd)
     check(cfg)
-    if cmd.streaming and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
+    if cmd.streaming and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks", "alibi-window"):
         raise ConfigError(f"streaming: method {cfg.method} attends to every earlier key (no bounded cache); "
-                          "--streaming evaluates poslsh-s<k> and fixed_blocks")
+                          "--streaming evaluates poslsh-s<k>, fixed_blocks and the alibi-w<c> / alibi-wcost<s> windows")
+    if cmd.streaming and cmd.documents:
+        raise ConfigError("documents: --streaming reads the split as one document; pass one of --streaming and "
+                          "--documents")
     from poslsh.threads import intra_op_threads
 
     from poslsh_paper.experiments.lm.checkpoint import load_strict, resolve_checkpoint
@@ -126,7 +131,7 @@ def eval_main(cmd: EvalCommand) -> int:
 
     initial = cmd.checkpoint == "init"
     ckpt = None if initial else resolve_checkpoint(cmd.checkpoint, run_dir(cfg))
-    out = _eval_path(cfg, ckpt, initial, cmd.streaming)
+    out = _eval_path(cfg, ckpt, initial, cmd.streaming, cmd.documents)
     dist = Dist(cfg.device)
     if cmd.streaming and dist.world > 1:
         raise ConfigError("streaming: one sequential stream; run it in a single process, not under torchrun")
@@ -146,13 +151,14 @@ def eval_main(cmd: EvalCommand) -> int:
 def _evaluate(cmd: EvalCommand, cfg: TrainConfig, model, data, dist, ckpt) -> dict:
     from poslsh_paper.experiments.lm.evaluation import evaluate, evaluate_streaming
 
-    res = {"method": cfg.method, "seed": cfg.seed, "checkpoint": "init" if ckpt is None else str(ckpt),
-           "split": cfg.eval_split}
+    res = {"method": cfg.method, "seed": cfg.seed, "pack": cfg.pack, "documents": cmd.documents,
+           "checkpoint": "init" if ckpt is None else str(ckpt), "split": cfg.eval_split}
     tokens = data.splits[cfg.eval_split]
     if cmd.streaming:
         res["streaming"] = evaluate_streaming(model, tokens, cfg, dist, progress=cmd.progress)
     else:
-        res["eval"] = evaluate(model, tokens, cfg, dist, progress=cmd.progress)
+        sep = data.tokenizer.separator_id if cmd.documents else None
+        res["eval"] = evaluate(model, tokens, cfg, dist, progress=cmd.progress, separator_id=sep)
     return res
 
 
@@ -180,7 +186,7 @@ def table_main(cmd: TableCommand) -> int:
         check(replace(cfg, method=m), data=not cmd.dry_run and not cmd.aggregate_only)
     from poslsh_paper.experiments.lm.table import dry_run, run_table, table_dir
 
-    out = table_dir(Path(cmd.out), cfg.preset)
+    out = table_dir(Path(cmd.out), cfg)
     if cmd.dry_run:
         dry_run(cfg, cfg.methods, jobs=cmd.jobs)
         return 0
@@ -195,7 +201,7 @@ def table_main(cmd: TableCommand) -> int:
 _TRAINING = ("batch_size", "micro_batch_size", "steps", "lr", "weight_decay", "warmup_ratio", "grad_clip",
              "ckpt_interval", "keep_checkpoints", "context_parallel", "resume", "overwrite")
 _TABLE = ("methods", "seeds", "out", "results_dir", "dry_run", "aggregate_only", "include_runs", "jobs")
-_EVAL = ("checkpoint", "streaming")
+_EVAL = ("checkpoint", "streaming", "documents")
 
 COMMANDS = [
     Command("train", "train (and evaluate) one language model: a method x seed of a preset",

@@ -1,4 +1,4 @@
-"""What a language-model run is: dataclass configs, named presets, methods.
+"""What a language-model run is: dataclass configs, named presets (methods: :mod:`.methods`).
 
 A :class:`TrainConfig` fully determines a run (and is what ``config.json`` holds);
 the ``*Command`` subclasses add options of one invocation (resume, progress bar,
@@ -10,26 +10,21 @@ that command (``poslsh train`` runs one ``--method``; ``poslsh table`` takes ``-
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, NamedTuple, Optional, Sequence, Tuple
+from typing import Annotated, Optional, Tuple
 
 import tyro
 from tyro.conf import Suppress
 
 from poslsh_paper.data.tokens import SPLITS, DataConfig
 from poslsh_paper.experiments.command import ConfigError
+from poslsh_paper.experiments.lm.methods import GPU_METHODS, METHODS, Positional, method_label, parse_method
 from poslsh_paper.experiments.paths import check_name, inside
 
 __all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand", "TableCommand", "PRESETS",
            "PRESET_HELP", "NOT_RESULTS", "Positional", "get_preset", "parse_method", "method_label", "check",
-           "check_data", "experiment_config", "run_dir", "config_differences", "describe_differences"]
-
-METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "fixed_blocks")
-# The GPU tables add issue 12's grouped sampler beside the paper's i.i.d. rows.
-GPU_METHODS = ("original", "alibi", "poslsh-s1", "poslsh-s5", "poslsh-s10", "poslsh-s20", "poslsh-g5", "poslsh-g10",
-               "poslsh-g20", "fixed_blocks")
+           "check_data", "experiment_config", "run_dir", "layout_name", "config_differences", "describe_differences", "GPU_METHODS"]
 
 
 @dataclass
@@ -51,11 +46,12 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     preset: str = "custom"            # name of the preset this config came from (part of the run directory)
-    method: str = "poslsh-s10"        # original, alibi, fixed_blocks, poslsh-s<k> (iid) or poslsh-g<k> (grouped)
+    method: str = "poslsh-s10"        # original, alibi, fixed_blocks, poslsh-s<k> (iid), poslsh-g<k> (grouped), alibi-w<c> (ALiBi cut at c sigma_h), alibi-wcost<s> (ALiBi cut at the window of positional LSH's cost at s)
     seed: int = 0                     # seeds init, data order, partitions and dropout
     data: DataConfig = field(default_factory=DataConfig)     # corpora and tokenizer
     model: ModelConfig = field(default_factory=ModelConfig)  # model shape or LoRA base
     seq_len: int = 256                # training context length
+    pack: bool = False                # train on packed documents: positions restart at every separator, no attention across documents (evaluation unchanged)
     batch_size: int = 16              # sequences per optimizer step, over all ranks
     micro_batch_size: int = 16        # sequences per forward pass on one rank (gradient accumulation)
     steps: int = 1000                 # optimizer steps
@@ -116,7 +112,8 @@ class EvalCommand(TrainConfig):
     seeds: Suppress[Tuple[int, ...]] = _hidden("seeds")
     checkpoint: Optional[str] = None  # checkpoint dir, run dir, checkpoints/latest, or init: the model as built, untrained (default: this run's latest)
     progress: bool = True             # print each length's result as it finishes
-    streaming: bool = False           # poslsh/fixed_blocks: the split as one document through the bounded KV cache, PPL vs position
+    documents: bool = False           # evaluate with documents kept apart, as --pack trains: positions restart at every separator, no attention across documents
+    streaming: bool = False           # poslsh, fixed_blocks, the ALiBi windows: the split as one document through the bounded KV cache, PPL vs position
 
 
 @dataclass
@@ -146,6 +143,7 @@ PRESET_HELP = {
     "smoke": "a few python-doc pages, a tiny model, 30 steps (end to end on a laptop)",
     "cpu": "Table 1 analog from scratch on 2 CPU cores: 7 methods x 3 seeds, 2800 steps",
     "cpu-long": "the cpu preset with 3x the steps: ALiBi vs PosLSH s=20 i.i.d./grouped",
+    "cpu-pack": "the cpu preset on packed documents: ALiBi and PosLSH s=10, 2 seeds",
     "gpu": "a larger model at 1024 tokens for one GPU; grouped rows too",
     "smoke-lora": "LoRA on SmolLM2-135M (RoPE replaced), 4 steps",
     "cpu-lora": "Table 2 analog, reduced for 2 CPU cores: 5 methods x 2 seeds, 100 steps",
@@ -176,6 +174,12 @@ PRESETS = {
         seq_len=256, batch_size=2, micro_batch_size=2, steps=8400, lr=3e-3, fixed_block_size=64,
         eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400,
         methods=("alibi", "poslsh-s20", "poslsh-g20"), seeds=(0, 1)),
+    # The cpu preset on packed documents (--pack): the same windows of the same stream, each split
+    # at its separators into documents that see nothing of each other; about 40 min with --jobs 2.
+    "cpu-pack": TrainConfig(
+        preset="cpu-pack", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
+        seq_len=256, pack=True, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3, fixed_block_size=64,
+        eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400, methods=("alibi", "poslsh-s10"), seeds=(0, 1)),
     # A larger model and context for one GPU (the paper: Qwen3-0.6B at 8k; this is much smaller).
     "gpu": TrainConfig(
         preset="gpu", data=DataConfig(tokenizer="bpe:16384"),
@@ -215,49 +219,6 @@ def get_preset(name: str) -> TrainConfig:
     return copy.deepcopy(PRESETS[name])
 
 
-class Positional(NamedTuple):
-    """A method's positional scheme: the ``scheme``, ``num_samples``, ``sampler`` and
-    ``group_size`` fields of :class:`poslsh.integrations.hf.PositionalConfig`."""
-
-    scheme: str                       # original | alibi | poslsh | fixed_blocks
-    num_samples: int = 1              # s, partitions per head (poslsh only)
-    sampler: str = "iid"              # iid (poslsh-s<k>) | grouped (poslsh-g<k>)
-    group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: 4
-
-
-_METHOD = re.compile(r"poslsh-(s|g)([0-9]+)(?:k([0-9]+))?")
-
-
-def parse_method(method: str) -> Positional:
-    """``"poslsh-s10"`` -> ``Positional("poslsh", 10)`` (i.i.d. partitions);
-    ``"poslsh-g10"`` -> ``Positional("poslsh", 10, "grouped")`` (grouped sampling, groups
-    of at most 4, the library's default); ``"poslsh-g20k5"`` -> groups of at most 5.
-    Other methods have ``num_samples = 1``."""
-    if method in ("original", "alibi", "fixed_blocks"):
-        return Positional(method, 1)
-    m = _METHOD.fullmatch(method)
-    if m and int(m[2]) >= 1 and not (m[1] == "s" and m[3]) and (m[3] is None or int(m[3]) >= 1):
-        return Positional("poslsh", int(m[2]), "iid" if m[1] == "s" else "grouped",
-                          None if m[3] is None else int(m[3]))
-    raise ConfigError(f"method: unknown method {method!r}; use original, alibi, fixed_blocks, poslsh-s<k> "
-                      "(i.i.d. partitions, e.g. poslsh-s10), poslsh-g<k> (grouped, e.g. poslsh-g10) or "
-                      "poslsh-g<k>k<size> (grouped, groups of at most <size>)")
-
-
-METHOD_LABELS = {"original": "Original (RoPE)", "alibi": "ALiBi", "fixed_blocks": "Fixed blocks"}
-
-
-def method_label(method: str) -> str:
-    """The name a table prints: ``poslsh-s10`` -> ``Positional LSH, s=10``,
-    ``poslsh-g10`` -> ``Positional LSH, grouped, s=10``."""
-    m = _METHOD.fullmatch(method)
-    if m and m[1] == "s":
-        return f"Positional LSH, s={m[2]}"
-    if m:
-        return f"Positional LSH, grouped, s={m[2]}" + (f" (groups <= {m[3]})" if m[3] else "")
-    return METHOD_LABELS.get(method, method)
-
-
 def check(cfg: TrainConfig, *, data: bool = True) -> None:
     """Raise :class:`ConfigError` (one line naming the field) for a config no run can use; with
     ``data``, also when its corpora or model are not installed here (before any work)."""
@@ -291,6 +252,9 @@ def check(cfg: TrainConfig, *, data: bool = True) -> None:
     if cfg.context_parallel > 1 and parse_method(cfg.method).scheme not in ("poslsh", "fixed_blocks"):
         raise ConfigError(f"context_parallel: method {cfg.method} needs every earlier key (ring attention); "
                           "context parallelism runs poslsh-s<k> and fixed_blocks")
+    if cfg.context_parallel > 1 and cfg.pack:
+        raise ConfigError("pack: packed documents are not split over context-parallel ranks; train packed runs with "
+                          "context_parallel 1")
     check_directory("runs_dir", cfg.runs_dir)
     run_dir(cfg)
     if data:
@@ -334,11 +298,21 @@ def check_directory(name: str, path: str) -> None:
             break
 
 
+def layout_name(cfg: TrainConfig) -> str:
+    """The directory name of ``cfg``'s preset under ``runs_dir`` and a table's ``out``: the preset,
+    with ``-packed`` (or ``-unpacked``) when ``cfg.pack`` is not the preset's own, so packed and
+    unpacked runs of one preset never share a directory (``--preset cpu --pack`` -> ``cpu-packed``)."""
+    check_name("preset", cfg.preset)
+    own = PRESETS[cfg.preset].pack if cfg.preset in PRESETS else False
+    return cfg.preset if cfg.pack == own else f"{cfg.preset}-{'packed' if cfg.pack else 'unpacked'}"
+
+
 def run_dir(cfg: TrainConfig) -> Path:
     """``<runs_dir>/<preset>/<method>/seed<k>``: where a run keeps its checkpoints and results
-    (its names checked, and the path checked to stay inside ``runs_dir``)."""
+    (its names checked, and the path checked to stay inside ``runs_dir``); ``<preset>`` is
+    :func:`layout_name`."""
     parse_method(cfg.method)
-    path = Path(cfg.runs_dir) / check_name("preset", cfg.preset) / cfg.method / f"seed{int(cfg.seed)}"
+    path = Path(cfg.runs_dir) / layout_name(cfg) / cfg.method / f"seed{int(cfg.seed)}"
     return inside(cfg.runs_dir, path, "runs_dir")
 
 
@@ -361,6 +335,8 @@ def config_differences(wanted: TrainConfig, recorded: dict) -> dict:
     from poslsh_paper.experiments.serialize import config_to_dict
 
     a, b = _flatten(config_to_dict(experiment_config(wanted))), _flatten(recorded or {})
+    # A field added after a run was recorded is absent from its record: the run had its default.
+    b = {**{k: v for k, v in _flatten(config_to_dict(TrainConfig())).items() if k not in b}, **b} if b else b
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if k.split(".")[0] not in NOT_RESULTS and a.get(k) != b.get(k)}
 

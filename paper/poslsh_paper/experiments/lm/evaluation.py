@@ -5,7 +5,10 @@ paper's section 6.2: a window of ``kL`` tokens slides over the eval stream with
 stride ``L``; the first window scores all its targets, every later one only its
 last ``L`` (each with at least ``(k-1)L`` tokens of context). Every length scores
 the same targets (the first ``eval_tokens`` of the split), so the columns differ
-only in the context given.
+only in the context given. The windows cross document boundaries (the stream's separators),
+for every run alike, packed or not; ``poslsh eval --documents`` (``separator_id`` given) keeps the
+documents of each window apart instead, as ``--pack`` trains (positions restart at every
+separator, no attention across documents).
 
 Streaming (:func:`evaluate_streaming`, ``poslsh eval --streaming``, poslsh and
 fixed_blocks): the first ``eval_tokens + 1`` tokens of the split are read as one long
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from poslsh_paper.data.tokens import document_positions
 from poslsh_paper.experiments.lm.config import TrainConfig, method_label
 from poslsh_paper.experiments.lm.model import Dist, autocast_for
 
@@ -63,9 +67,11 @@ def _batches(mine: List[int], per_batch: int) -> List[List[int]]:
 
 
 @torch.no_grad()
-def evaluate(model, tokens: np.ndarray, cfg: TrainConfig, dist: Dist, progress: bool = False) -> Dict[str, dict]:
+def evaluate(model, tokens: np.ndarray, cfg: TrainConfig, dist: Dist, progress: bool = False,
+             separator_id: Optional[int] = None) -> Dict[str, dict]:
     """``{"1x": {"context", "ppl", "acc", "nll", "tokens", "windows", "seconds"}, "2x": ...}``;
-    ``acc`` in %. Windows are split over DDP ranks and the sums all-reduced."""
+    ``acc`` in %. Windows are split over DDP ranks and the sums all-reduced. ``separator_id``
+    given: each window's documents are kept apart (packed, :func:`document_positions`)."""
     was_training = model.training
     model.eval()
     L = cfg.seq_len
@@ -78,11 +84,14 @@ def evaluate(model, tokens: np.ndarray, cfg: TrainConfig, dist: Dist, progress: 
         t0 = time.perf_counter()
         for g in _batches(starts[dist.rank::dist.world], max(1, cfg.eval_batch_tokens // C)):
             keep = C if g == [0] else L
-            x = torch.from_numpy(np.stack([tokens[b: b + C] for b in g]).astype(np.int64)).to(dist.device)
+            inputs = np.stack([tokens[b: b + C] for b in g]).astype(np.int64)
+            x = torch.from_numpy(inputs).to(dist.device)
+            packed = {} if separator_id is None else {
+                "position_ids": torch.from_numpy(document_positions(inputs, separator_id)).to(dist.device)}
             y = torch.from_numpy(np.stack([tokens[b + C - keep + 1: b + C + 1] for b in g]).astype(np.int64))
             y = y.to(dist.device).reshape(-1)
             with autocast_for(cfg, dist.device):
-                logits = model(input_ids=x, use_cache=False, logits_to_keep=keep).logits
+                logits = model(input_ids=x, use_cache=False, logits_to_keep=keep, **packed).logits
             logits = logits.float().reshape(-1, logits.shape[-1])
             nll += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += float((logits.argmax(-1) == y).sum())

@@ -9,13 +9,16 @@ partitions come from ``(seed, t, layer)`` (the step is passed to the model as
 the ranks form a 2-D device mesh (data x context): the ``P`` ranks of a context
 group share each of their sequences, one contiguous shard each
 (:mod:`poslsh.distributed`, passed to the model as ``poslsh_context``), and DDP
-all-reduces over all ranks.
+all-reduces over all ranks. With ``pack`` the same windows are packed documents: the position
+ids restart at every separator (:func:`poslsh_paper.data.tokens.document_positions`) and the model
+attends within documents only.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -25,7 +28,9 @@ from typing import List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from poslsh_paper.data.tokens import batch_windows
+from pathlib import Path
+
+from poslsh_paper.data.tokens import batch_windows, document_positions
 from poslsh.distributed import ContextShard, shard_range
 from poslsh_paper.io import atomic_write_text
 from poslsh.seeding import stable_seed
@@ -40,7 +45,8 @@ from poslsh_paper.experiments.paths import remove_run
 from poslsh_paper.experiments.lm.evaluation import eval_forward_tokens, evaluate as evaluate_model
 from poslsh_paper.experiments.lm.model import Dist, autocast_for, build_model, load_data, trainable_parameters
 
-__all__ = ["train", "make_optimizer", "lr_scheduler", "warmup_steps", "train_step", "estimate_minutes"]
+__all__ = ["train", "make_optimizer", "lr_scheduler", "warmup_steps", "train_step", "estimate_minutes",
+           "code_version"]
 
 
 # ------------------------------------------------------------------ optimizer
@@ -160,10 +166,11 @@ def parallel_mesh(cfg: TrainConfig, dist: Dist) -> Mesh:
 
 # ------------------------------------------------------------------- one step
 def train_step(model, optimizer, scheduler, params, batch: torch.Tensor, step: int, cfg: TrainConfig,
-               dist: Dist, micro: int, mesh: Optional[Mesh] = None) -> float:
+               dist: Dist, micro: int, mesh: Optional[Mesh] = None, positions: Optional[torch.Tensor] = None) -> float:
     """One optimizer step on this rank's rows ``batch`` (``[rows, seq_len + 1]`` token ids),
     ``micro`` rows per forward pass; with context parallelism (``mesh``) on this rank's shard
-    of them, whose targets run one token past it. Returns the mean train loss per token over all ranks."""
+    of them, whose targets run one token past it; ``positions`` (``[rows, seq_len]``, packed
+    documents) are the inputs' position ids. Returns the mean train loss per token over all ranks."""
     torch.manual_seed(stable_seed("dropout", cfg.seed, step, dist.rank))   # LoRA dropout
     mesh = mesh or Mesh(dist.rank, dist.world, slice(0, cfg.seq_len))
     extra = {} if mesh.context is None else {"poslsh_context": mesh.context}
@@ -175,6 +182,8 @@ def train_step(model, optimizer, scheduler, params, batch: torch.Tensor, step: i
         # DDP all-reduces gradients on the last micro-batch only.
         with nullcontext() if (last or dist.world == 1) else model.no_sync():
             x, y = batch[lo: lo + micro, :-1][:, mesh.tokens], batch[lo: lo + micro, 1:][:, mesh.tokens]
+            if positions is not None:
+                extra["position_ids"] = positions[lo: lo + micro][:, mesh.tokens]
             with autocast_for(cfg, dist.device):
                 logits = model(input_ids=x, use_cache=False, poslsh_step=step, **extra).logits
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
@@ -256,6 +265,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
     if per_rank % micro:
         raise ConfigError(f"micro_batch_size {micro} must divide the per-rank batch {per_rank}")
     out_dir = run_dir(cfg)
+    code = code_version()      # the code this process loaded (not what the checkout holds when it ends)
     data = load_data(cfg, dist)
     model = build_model(cfg, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
     params = trainable_parameters(model)
@@ -280,9 +290,11 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            batch = torch.from_numpy(batch_windows(data.splits["train"], cfg.seq_len, step, cfg.batch_size,
-                                                   cfg.seed, rows)).to(dist.device)
-            loss = train_step(ddp_model, optimizer, scheduler, params, batch, step, cfg, dist, micro, mesh)
+            windows = batch_windows(data.splits["train"], cfg.seq_len, step, cfg.batch_size, cfg.seed, rows)
+            positions = (torch.from_numpy(document_positions(windows[:, :-1], data.tokenizer.separator_id))
+                         .to(dist.device) if cfg.pack else None)
+            batch = torch.from_numpy(windows).to(dist.device)
+            loss = train_step(ddp_model, optimizer, scheduler, params, batch, step, cfg, dist, micro, mesh, positions)
             state.elapsed_s += time.perf_counter() - t0
             state.history.append([step + 1, round(loss, 5)])
             meter.update(step, loss, lr)
@@ -303,11 +315,12 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
     finally:
         meter.close()
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len
-    result = {"preset": cfg.preset, "method": cfg.method, "seed": cfg.seed, "steps": cfg.steps,
+    result = {"preset": cfg.preset, "method": cfg.method, "seed": cfg.seed, "steps": cfg.steps, "pack": cfg.pack,
               "final_train_loss": state.history[-1][1] if state.history else None,
               "train_time_s": round(state.elapsed_s, 1), "train_tokens": tokens,
               "train_tokens_per_s": round(tokens / max(state.elapsed_s, 1e-9), 1),
-              "world_size": dist.world, "data": data.meta.get("splits"), "config": config_to_dict(cfg)}
+              "world_size": dist.world, "data": data.meta.get("splits"), "code": code,
+              "config": config_to_dict(cfg)}
     if evaluate:
         t0 = time.perf_counter()
         result["eval"] = evaluate_model(model, data.splits[cfg.eval_split], cfg, dist, progress=progress)
@@ -317,3 +330,19 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, progress: bool, eval
         atomic_write_text(out_dir / "result.json", json.dumps(result, indent=1))
     dist.barrier()
     return result
+
+
+def code_version() -> Optional[dict]:
+    """``{"commit": <git HEAD>, "modified": <tracked files changed>}`` of the checkout this code runs
+    from (which code trained a run: tables may mix runs of several versions), or None outside git."""
+    repo = Path(__file__).resolve().parents[4]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30)
+        changed = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode or changed.returncode:
+        return None
+    return {"commit": head.stdout.strip(), "modified": bool(changed.stdout.strip())}

@@ -63,15 +63,24 @@ def load_data(cfg: TrainConfig, dist: Dist) -> TokenData:
     return data
 
 
+def _scheme_params(cfg: TrainConfig) -> dict:
+    """The :class:`poslsh.integrations.hf.PositionalConfig` fields of ``cfg.method`` (the window
+    fields only for the alibi-window scheme, which alone takes them)."""
+    m = parse_method(cfg.method)
+    params = dict(num_samples=m.num_samples, sampler=m.sampler, group_size=m.group_size,
+                  block_size=cfg.fixed_block_size, seed=cfg.seed, eval_seed=cfg.seed)
+    if m.scheme == "alibi-window":
+        params.update(window_sigmas=m.window_sigmas, window_cost_samples=m.window_cost_samples)
+    return params
+
+
 def positional_config(cfg: TrainConfig):
     """The :class:`poslsh.integrations.hf.PositionalConfig` of ``cfg.method``: partitions
-    seeded by the run's seed, in training (with the step) and in evaluation."""
+    seeded by the run's seed, in training (with the step) and in evaluation; the alibi-window
+    methods' per-head window (``c sigma_h`` or cost-matched, the same at every length)."""
     from poslsh.integrations import hf
 
-    m = parse_method(cfg.method)
-    return hf.PositionalConfig(scheme=m.scheme, num_samples=m.num_samples, sampler=m.sampler,
-                               group_size=m.group_size, block_size=cfg.fixed_block_size, seed=cfg.seed,
-                               eval_seed=cfg.seed)
+    return hf.PositionalConfig(scheme=parse_method(cfg.method).scheme, **_scheme_params(cfg))
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
@@ -80,8 +89,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
     from poslsh.integrations import hf
 
     pc = positional_config(cfg)
-    params = dict(num_samples=pc.num_samples, sampler=pc.sampler, group_size=pc.group_size,
-                  block_size=pc.block_size, seed=pc.seed, eval_seed=pc.eval_seed)
+    params = _scheme_params(cfg)
     torch.manual_seed(cfg.seed)   # initial weights (scratch) / LoRA init depend on the seed only
     m = cfg.model
     if m.kind == "scratch":

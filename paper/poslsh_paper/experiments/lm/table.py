@@ -3,7 +3,9 @@
 :func:`run_table` trains each missing run (resuming interrupted ones; in parallel
 subprocesses with ``jobs > 1``), then writes ``<results>/<preset>/table.md``,
 ``table.csv`` and ``table.json``: mean +- sample std over seeds per method and
-length, and the paper's claims checked against the numbers (:func:`findings`).
+length, and the paper's claims checked against the numbers (:func:`findings`). A packed
+table may hold unpacked runs of the same set-up beside its own (``--include-runs``, see
+:mod:`.include`): rows are per method and packing.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,17 +28,18 @@ import torch.nn.functional as F
 from poslsh_paper.io import atomic_write_text, csv_text, markdown_table
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.serialize import config_to_dict
-from poslsh_paper.experiments.lm.config import (TrainConfig, config_differences, describe_differences, method_label,
-                                                run_dir)
-from poslsh_paper.experiments.paths import check_name, inside
+from poslsh_paper.experiments.lm.config import (TrainConfig, config_differences, describe_differences, layout_name,
+                                                method_label, run_dir)
+from poslsh_paper.experiments.lm.include import describe, include_runs, included_note
+from poslsh_paper.experiments.paths import inside
 from poslsh_paper.experiments.lm.findings import findings, get, lengths_of
 from poslsh_paper.experiments.lm.loop import estimate_minutes, train
 from poslsh_paper.experiments.lm.model import build_model
 
 __all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "train_parallel", "dry_run",
-           "table_dir"]
+           "table_dir", "describe"]
 
-CSV_FIELDS = ["method", "label", "length", "context", "seeds", "ppl_mean", "ppl_std", "acc_mean", "acc_std"]
+CSV_FIELDS = ["method", "label", "pack", "length", "context", "seeds", "ppl_mean", "ppl_std", "acc_mean", "acc_std"]
 
 
 # ----------------------------------------------------------------- aggregation
@@ -45,18 +48,24 @@ def _mean_std(xs: List[float]):
 
 
 def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
-    """One row per (method, length) of the runs' ``result.json``: mean and sample std over seeds."""
+    """One row per (method, packing, length) of the runs' ``result.json``: mean and sample std
+    over seeds. A run without ``pack`` (made before packing existed) was not packed; packed rows
+    of a table that holds both are labelled so."""
     rows = []
+    both = len({bool(r.get("pack", False)) for r in results}) > 1
     for m in methods:
-        runs = [r for r in results if r["method"] == m and r.get("eval")]
-        if not runs:
-            continue
-        for k in runs[0]["eval"]:
-            ppl, ppl_sd = _mean_std([r["eval"][k]["ppl"] for r in runs])
-            acc, acc_sd = _mean_std([r["eval"][k]["acc"] for r in runs])
-            rows.append({"method": m, "label": method_label(m), "length": k, "context": runs[0]["eval"][k]["context"],
-                         "seeds": len(runs), "ppl_mean": ppl, "ppl_std": ppl_sd, "acc_mean": acc, "acc_std": acc_sd,
-                         "ppl_by_seed": {r["seed"]: r["eval"][k]["ppl"] for r in runs}})
+        for pack in (False, True):
+            runs = [r for r in results if r["method"] == m and bool(r.get("pack", False)) == pack and r.get("eval")]
+            if not runs:
+                continue
+            label = method_label(m) + (", packed" if pack and both else ", unpacked" if both else "")
+            for k in runs[0]["eval"]:
+                ppl, ppl_sd = _mean_std([r["eval"][k]["ppl"] for r in runs])
+                acc, acc_sd = _mean_std([r["eval"][k]["acc"] for r in runs])
+                rows.append({"method": m, "label": label, "pack": pack, "length": k,
+                             "context": runs[0]["eval"][k]["context"], "seeds": len(runs), "ppl_mean": ppl,
+                             "ppl_std": ppl_sd, "acc_mean": acc, "acc_std": acc_sd,
+                             "ppl_by_seed": {r["seed"]: r["eval"][k]["ppl"] for r in runs}})
     return rows
 
 
@@ -69,12 +78,13 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
     for i, k in enumerate(lengths):
         head += [f"PPL @{ctx[k]}{' (training)' if i == 0 else ' (extrapolation)'}", f"Acc % @{ctx[k]}"]
     body = []
-    for m in dict.fromkeys(r["method"] for r in rows):
-        n_seeds = get(rows, m, lengths[0], "seeds")
-        cells = [method_label(m), str(n_seeds)]
+    for m, pack in dict.fromkeys((r["method"], r.get("pack", False)) for r in rows):
+        mine = [r for r in rows if (r["method"], r.get("pack", False)) == (m, pack)]
+        n_seeds = get(mine, m, lengths[0], "seeds")
+        cells = [mine[0].get("label") or method_label(m), str(n_seeds)]
         for k in lengths:
-            p, ps = get(rows, m, k), get(rows, m, k, "ppl_std")
-            a, as_ = get(rows, m, k, "acc_mean"), get(rows, m, k, "acc_std")
+            p, ps = get(mine, m, k), get(mine, m, k, "ppl_std")
+            a, as_ = get(mine, m, k, "acc_mean"), get(mine, m, k, "acc_std")
             if p is None:
                 cells += ["-", "-"]
             elif n_seeds > 1:
@@ -88,7 +98,7 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
             lines += [f"**{key.capitalize()}:** {meta[key]}", ""]
     lines += [markdown_table(head, body), "",
               "Mean ± sample standard deviation over the seeds counted in the Seeds column.", ""]
-    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")))
+    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")), pack=meta.get("pack"))
     if found:
         lines += ["## The paper's findings, checked", ""] + [f"- {f}" for f in found] + [""]
     return "\n".join(lines)
@@ -99,41 +109,19 @@ def write_table(results: List[dict], methods: Sequence[str], out_dir: Path, meta
     rows = aggregate(results, methods)
     atomic_write_text(out_dir / "table.csv", csv_text(rows, CSV_FIELDS))
     slim = [{k: v for k, v in r.items() if k != "config"} for r in results]
-    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")))
+    found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")), pack=meta.get("pack"))
     atomic_write_text(out_dir / "table.json", json.dumps({"meta": meta, "rows": rows, "findings": found, "runs": slim},
                                                          indent=1))
     atomic_write_text(out_dir / "table.md", render_markdown(rows, meta))
     return rows
 
 
-def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
-    """The table's setup and evaluation notes, in words."""
-    m = cfg.model
-    if m.kind == "scratch":
-        model = (f"Qwen3-style model from scratch: {m.num_layers} layers, hidden {m.hidden_size}, "
-                 f"{m.num_heads} query / {m.num_kv_heads} key-value heads of dim {m.head_dim}")
-    else:
-        model = f"{m.base} + LoRA (r {m.lora_r}, alpha {m.lora_alpha}, {'/'.join(m.lora_targets)}), RoPE replaced"
-    data = results[0].get("data") if results else None
-    train_tokens = cfg.steps * cfg.batch_size * cfg.seq_len
-    setup = (f"{model}; corpora {', '.join(cfg.data.corpora)} (split by document), tokenizer {cfg.data.tokenizer}; "
-             f"{cfg.steps} steps x {cfg.batch_size} sequences x {cfg.seq_len} tokens = {train_tokens:,} training "
-             f"tokens; AdamW lr {cfg.lr}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_ratio}; fixed blocks "
-             f"of {cfg.fixed_block_size}.")
-    if data:
-        setup += " Split sizes (tokens): " + ", ".join(f"{k} {v['tokens']:,}" for k, v in data.items()) + "."
-    scored = results[0]["eval"]["1x"]["tokens"] if results and results[0].get("eval") else cfg.eval_tokens
-    evaluation = (f"{cfg.eval_split} split, the same {scored:,} target tokens at every length; lengths "
-                  f"{', '.join(str(k * cfg.seq_len) for k in cfg.eval_multipliers)} use a sliding window whose "
-                  f"stride is the training length ({cfg.seq_len}), as in the paper; PosLSH evaluates with fixed "
-                  f"partitions seeded by the run's seed.")
-    return {"setup": setup, "evaluation": evaluation}
-
-
 # ------------------------------------------------------------------------ runs
-def table_dir(out: Path, preset: str) -> Path:
-    """``<out>/<preset>``: where a preset's table goes (the name checked, the path kept inside ``out``)."""
-    return inside(out, Path(out) / check_name("preset", preset), "out")
+def table_dir(out: Path, cfg: TrainConfig) -> Path:
+    """``<out>/<preset>``: where a preset's table goes (the name checked, the path kept inside ``out``;
+    ``<preset>`` is :func:`~poslsh_paper.experiments.lm.config.layout_name`: packed and unpacked
+    tables of one preset do not overwrite each other)."""
+    return inside(out, Path(out) / layout_name(cfg), "out")
 
 
 def _vs_table(diff: dict) -> str:
@@ -148,42 +136,21 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def include_runs(path: Path, cfg: TrainConfig, wanted: Sequence[tuple]) -> tuple:
-    """``(runs, meta)``: the runs of an earlier ``table.json`` for the ``(method, seed)`` pairs in
-    ``wanted``, after checking that the table was made for this preset with the same setup and
-    evaluation (model, data and split sizes, optimiser, steps, scored tokens: its own words)."""
-    from poslsh_paper.experiments.command import ConfigError
-    try:
-        prev = json.loads(Path(path).read_text())
-        runs = [r for r in prev["runs"] if (r["method"], r["seed"]) in set(wanted)]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"include_runs: cannot read the runs of table {path}: {e}") from e
-    if not runs:
-        return [], prev.get("meta", {})
-    bad = [f"{r['method']} seed {r['seed']}" for r in runs if r.get("preset") != cfg.preset or r.get("steps") != cfg.steps]
-    if bad:
-        raise ConfigError(f"include_runs: {path} holds runs of another preset or step count ({', '.join(bad)}): "
-                          f"include a table made with --preset {cfg.preset} and {cfg.steps} steps")
-    want = describe(cfg, runs)
-    for key in ("setup", "evaluation"):
-        if prev["meta"].get(key) != want[key]:
-            raise ConfigError(f"include_runs: {path} was made with another {key} than this table: "
-                              f"{prev['meta'].get(key)!r} vs {want[key]!r}")
-    return runs, prev["meta"]
-
-
 def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], results_dir: Path, *,
               progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1,
               include: Optional[Path] = None) -> List[dict]:
     """Train (or resume) every missing method x seed run, ``jobs`` at a time, then write the
     table. Returns the runs' results (those with a ``result.json``). ``include``: an earlier
     ``table.json`` whose runs stand in for the method x seed runs that have no run directory
-    here (nothing is retrained for them; the table says which rows came from it)."""
+    here (nothing is retrained for them; the table says which rows came from it); its runs of
+    the other packing are shown beside this table's (:func:`.include.include_runs`)."""
     runs = [replace(cfg, method=m, seed=s) for m in methods for s in seeds]
-    earlier, earlier_meta = [], {}
+    pairs = [(m, s) for m in methods for s in seeds]
+    inc = None
     if include:
-        here = [(m, s) for m in methods for s in seeds if (run_dir(replace(cfg, method=m, seed=s)) / "result.json").exists()]
-        earlier, earlier_meta = include_runs(include, cfg, [(m, s) for m in methods for s in seeds if (m, s) not in here])
+        here = [(m, s) for m, s in pairs if (run_dir(replace(cfg, method=m, seed=s)) / "result.json").exists()]
+        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs)
+    earlier = inc.same if inc else []
     taken = {(r["method"], r["seed"]) for r in earlier}
     # Seed-major training order: a table cut short still has every method at the first seeds.
     todo = [replace(cfg, method=m, seed=s) for s in seeds for m in methods]
@@ -213,6 +180,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
             others.append(f"{path}: trained with {_vs_table(diff) or 'no recorded config'}")
         else:
             results.append(result)
+    results += inc.other if inc else []
     if others and int(os.environ.get("RANK", "0")) == 0:
         print(f"left out of the table: {len(others)} run(s) trained with another config than this table's "
               "(retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere):\n  "
@@ -220,15 +188,12 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     if int(os.environ.get("RANK", "0")) == 0 and results:
         title = ("Length extrapolation, trained from scratch (Table 1 analog)" if cfg.model.kind == "scratch"
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")
-        meta = {"title": f"{title}: preset `{cfg.preset}`", "command": f"`{command}`" if command else "",
-                "fine_tuned": cfg.model.kind != "scratch", **describe(cfg, results)}
-        if earlier:
-            names = ", ".join(f"{m} ({sum(e['method'] == m for e in earlier)})"
-                              for m in dict.fromkeys(e["method"] for e in earlier))
-            meta["included"] = (f"{len(earlier)} run(s) taken from `{include}` (made by "
-                                f"{earlier_meta.get('command') or 'an earlier table'}, same setup and evaluation): "
-                                f"{names}; the other runs were trained for this table.")
-        write_table(results, list(methods), table_dir(Path(results_dir), cfg.preset), meta)
+        packed = ", packed documents" if cfg.pack else ""
+        meta = {"title": f"{title}: preset `{cfg.preset}`{packed}", "command": f"`{command}`" if command else "",
+                "fine_tuned": cfg.model.kind != "scratch", "pack": cfg.pack, **describe(cfg, results)}
+        if inc and (inc.same or inc.other):
+            meta["included"] = included_note(inc, include, cfg.pack)
+        write_table(results, list(methods), table_dir(Path(results_dir), cfg), meta)
     return results
 
 
