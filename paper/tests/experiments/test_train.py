@@ -266,7 +266,7 @@ def test_fine_tuning_findings_are_table_2s():
     assert "neither ALiBi nor PosLSH beats the original" in found[3] and "better: none" in found[3]
     text = table.render_markdown(rows, {"title": "t", "fine_tuned": True})
     assert "neither ALiBi nor PosLSH beats" in text and "extrapolate better than RoPE" not in text
-    # ALiBi extrapolating past the pretrained model breaks Table 2's claim; grouped behind i.i.d. breaks issue 12's
+    # ALiBi extrapolating past the pretrained model breaks Table 2's claim; grouped behind i.i.d. breaks the grouped claim
     rows = table.aggregate(res[:1] + [run("alibi", 16.0, 12.5), run("poslsh-s5", 17.0, 16.5),
                                       run("poslsh-g5", 17.5, 16.0)], ["original", "alibi", "poslsh-s5", "poslsh-g5"])
     found = table.findings(rows, fine_tuned=True)

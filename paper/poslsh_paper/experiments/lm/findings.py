@@ -1,4 +1,4 @@
-"""The paper's claims (§6.2), and issue 12's about grouped partitions, checked against a table.
+"""The paper's claims (§6.2), and the grouped-partitions claim, checked against a table.
 
 Each line says what was compared, the numbers, and ``holds`` / ``does NOT hold``. From-scratch
 tables (Table 1 analog) check Table 1's claims; fine-tuning tables (Table 2 analog: a pretrained
@@ -113,7 +113,7 @@ def _claims(rows: List[dict], fine_tuned: bool) -> List[str]:
         else:
             out.append(f"PosLSH s={s_max} within about 1% of ALiBi at the training length (PPL gap {gap:+.2f}%"
                        f"{_per_seed(rows, m_max, 'alibi', L)}; counted as holding up to 1.5%): {ok(abs(gap) <= 1.5)}.")
-    for s_, m in grouped if alibi else []:     # issue 12: does grouped sampling close the gap?
+    for s_, m in grouped if alibi else []:     # does grouped sampling close the gap?
         gap, iid = _gap(rows, m, "alibi", L), _gap(rows, f"poslsh-s{s_}", "alibi", L)
         vs = f"; i.i.d. s={s_}: {iid:+.2f}%" if iid is not None else ""
         if fine_tuned:     # the paper's fine-tuning gaps are several %: ask for closer than i.i.d.
