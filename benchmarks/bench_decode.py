@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,22 +40,11 @@ from pathlib import Path
 
 import torch
 
+from poslsh_paper.timing import machine
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("poslsh-s10", "alibi", "original")
 VOCAB, CHUNK = 4096, 4096
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except OSError:
-        mem = float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, torch {torch.__version__}, {platform.system()}"
 
 
 def build(method: str):

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,21 +35,10 @@ import poslsh
 from poslsh.documents import make_documents
 from poslsh.ops import torch_impl, torch_tiles
 from poslsh.ops.torch_plan import Layout, Span
+from poslsh_paper.timing import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("packed", "alone", "unpacked")
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}"
 
 
 def load() -> str:

@@ -4,7 +4,7 @@ import torch
 
 import poslsh
 
-from inputs import alibi_partitions, make_qkv
+from inputs import LargestTensor, alibi_partitions, make_qkv
 
 
 def test_backends_listed_and_auto_runs():
@@ -53,19 +53,9 @@ def test_no_quadratic_tensor_on_torch_path(monkeypatch):
     q, k, v = make_qkv(1, 2, 1, n, 8, dtype=torch.float32)
     P = poslsh.sample_partitions(torch.tensor([4.0, 64.0]), 4, seed=0)
     monkeypatch.setattr(ti, "CHUNK_ELEMENTS", 1 << 16)
-    largest = 0
-
-    class Watch(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            nonlocal largest
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    largest = max(largest, t.numel())
-            return out
-
-    with Watch():
+    with LargestTensor() as watch:
         out = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
+    largest = watch.largest
     print("largest tensor elements", largest, "n^2 =", n * n)
     assert torch.isfinite(out).all()
     assert largest < n * n // 16

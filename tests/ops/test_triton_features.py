@@ -13,7 +13,8 @@ import poslsh  # noqa: E402
 from poslsh.alibi import make_window  # noqa: E402
 from poslsh.documents import make_documents  # noqa: E402
 from poslsh.ops import registry  # noqa: E402
-from poslsh.ops.triton import _config, _launch, _plan  # noqa: E402
+from poslsh.ops.triton import _launch, _plan  # noqa: E402
+from inputs import assert_compiles_like_eager  # noqa: E402
 from poslsh.partitions import Partitions  # noqa: E402
 
 TOL = 2e-5
@@ -22,15 +23,7 @@ SIGMAS = torch.tensor([1.5, 6.0, 40.0, 400.0], dtype=torch.float64)
 IDS = torch.tensor([[0] * 1 + [1] * 30 + [2] * 1 + [3] * 50 + [4] * 14 + [5] * 1, [0] * 60 + [1] * 37])
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    problem = _config.interpreter_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for name in ("fwd", "dq", "dkdv"):
-        monkeypatch.setitem(_launch.INTERPRET_BLOCKS, name, (32, 32))
-    yield monkeypatch
+SMALL_TILES = True      # the interpret fixture (conftest.py) runs 32 x 32 tiles
 
 
 def qkv(B, Hq, Hkv, n, d=16, seed=0):
@@ -239,7 +232,6 @@ def test_compile_fullgraph_with_lse(interpret):
     """torch.compile(fullgraph=True) (aot_eager) through both ops with return_lse: no graph break,
     the compiled gradients equal the eager ones."""
     from poslsh.ops.triton import attention, window_attention
-    torch._dynamo.reset()
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 1, 24, seed=9))
     parts = poslsh.sample_partitions(torch.tensor([2.0, 9.0], dtype=torch.float64), 2, seed=1)
     win = make_window(poslsh.alibi_slopes(2), 6)
@@ -249,11 +241,4 @@ def test_compile_fullgraph_with_lse(interpret):
         o2, l2 = window_attention(q, k, v, win, causal=False, return_lse=True)
         return o1.square().sum() + l1.sum() + o2.square().sum() + l2.sin().sum()
 
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    lc = compiled(q, k, v)
-    gc = torch.autograd.grad(lc, (q, k, v))
-    le = loss(q, k, v)
-    ge = torch.autograd.grad(le, (q, k, v))
-    assert torch.allclose(lc, le)
-    for a, b in zip(gc, ge):
-        assert torch.allclose(a, b)
+    assert_compiles_like_eager(loss, q, k, v)

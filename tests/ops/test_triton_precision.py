@@ -21,19 +21,9 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import poslsh  # noqa: E402
-from poslsh.ops.triton import _config  # noqa: E402
 
 NAMES = ("out", "dq", "dk", "dv")
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}   # ~1 ulp of O(1) values
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    problem = _config.interpreter_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield monkeypatch
 
 
 def _case(dtype, n, logit, device, seed, Hq=4, Hkv=2, d=32):

@@ -17,15 +17,7 @@ from test_triton_features import IDS, check_op, qkv  # noqa: E402
 SLOPES = poslsh.alibi_slopes(4)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    problem = _config.interpreter_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for name in ("fwd", "dq", "dkdv"):
-        monkeypatch.setitem(_launch.INTERPRET_BLOCKS, name, (32, 32))
-    yield monkeypatch
+SMALL_TILES = True      # the interpret fixture (conftest.py) runs 32 x 32 tiles
 
 
 def _run(slopes, window, causal, **kw):

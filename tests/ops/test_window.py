@@ -8,7 +8,7 @@ import poslsh
 from poslsh.ops import torch_impl, torch_tiles
 from poslsh.ops.torch_plan import Span
 
-from inputs import make_qkv
+from inputs import LargestTensor, make_qkv
 
 SLOPES = poslsh.alibi_slopes(8)
 
@@ -118,24 +118,14 @@ def test_cost_is_linear_in_n_times_the_window():
 
     import poslsh.ops.torch_tiles as tt
     q, k, v = make_qkv(1, H, 2, n, 8, dtype=torch.float32)
-    largest = 0
-
-    class Watch(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            nonlocal largest
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    largest = max(largest, t.numel())
-            return out
-
     saved = tt.CHUNK_ELEMENTS
     tt.CHUNK_ELEMENTS = 1 << 16
     try:
-        with Watch():
+        with LargestTensor() as watch:
             out = poslsh.windowed_alibi_attention(q, k, v, SLOPES[:4], window=window, causal=True, backend="torch")
     finally:
         tt.CHUNK_ELEMENTS = saved
+    largest = watch.largest
     print("largest tensor elements", largest, "n^2 =", n * n)
     assert torch.isfinite(out).all() and largest < n * n // 16
 
