@@ -12,27 +12,48 @@ import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.lm.config import PRESETS, TrainConfig
 
-__all__ = ["PACKING", "describe", "Included", "include_runs", "included_note"]
+__all__ = ["PACKING", "describe", "one_data", "Included", "include_runs", "included_note"]
 
 # The set-up's words for packed training (unpacked tables say nothing, as they always did).
 PACKING = (" Packed documents: each training window is cut at its separators into documents that restart "
            "at position 0 and see nothing of each other; every target counts, nothing is padded.")
 
 
+def _data_words(data: Optional[dict]) -> str:
+    return ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens" for k, v in data.items())
+
+
+def one_data(results: List[dict]) -> Optional[dict]:
+    """The split sizes every run of ``results`` was trained and evaluated on (None if no run
+    records them). Runs whose corpus differs (an updated Debian documentation package changes the
+    documents, so the splits and every batch) are not one experiment: one line naming them."""
+    seen: Dict[str, tuple] = {}        # the data as one string -> (the data, the runs trained on it)
+    for r in results:
+        if r.get("data"):
+            seen.setdefault(json.dumps(r["data"], sort_keys=True), (r["data"], []))[1].append(
+                f"{r['method']} seed {r['seed']}")
+    if len(seen) > 1:
+        groups = "; ".join(f"{_data_words(data)}: {', '.join(names)}" for data, names in seen.values())
+        raise ConfigError(f"the runs of this table were trained on different data ({groups}): the corpus changed "
+                          "between them; table them apart (--methods / --seeds / --runs-dir, or without "
+                          "--include-runs) or retrain the older runs on today's corpus")
+    return next(iter(seen.values()))[0] if seen else None
+
+
 def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
-    """The table's setup and evaluation notes, in words."""
+    """The table's setup and evaluation notes, in words (its runs must share one corpus: :func:`one_data`)."""
     m = cfg.model
     if m.kind == "scratch":
         model = (f"Qwen3-style model from scratch: {m.num_layers} layers, hidden {m.hidden_size}, "
                  f"{m.num_heads} query / {m.num_kv_heads} key-value heads of dim {m.head_dim}")
     else:
         model = f"{m.base} + LoRA (r {m.lora_r}, alpha {m.lora_alpha}, {'/'.join(m.lora_targets)}), RoPE replaced"
-    data = results[0].get("data") if results else None
+    data = one_data(results)
     train_tokens = cfg.steps * cfg.batch_size * cfg.seq_len
     setup = (f"{model}; corpora {', '.join(cfg.data.corpora)} (split by document), tokenizer {cfg.data.tokenizer}; "
              f"{cfg.steps} steps x {cfg.batch_size} sequences x {cfg.seq_len} tokens = {train_tokens:,} training "
@@ -68,11 +89,13 @@ def _twins(cfg: TrainConfig) -> set:
     return {name for name, p in PRESETS.items() if replace(p, pack=False, methods=(), seeds=(), preset="") == plain}
 
 
-def include_runs(path: Path, cfg: TrainConfig, missing: Sequence[tuple], wanted: Sequence[tuple]) -> Included:
+def include_runs(path: Path, cfg: TrainConfig, missing: Sequence[tuple], wanted: Sequence[tuple],
+                 local: Sequence[dict] = ()) -> Included:
     """The runs of an earlier ``table.json``: of this table's packing for the ``(method, seed)``
     pairs in ``missing`` (no result here), of the other packing for every pair in ``wanted``; after
     checking that the table was made for this preset (or its packing twin) with the same setup and
-    evaluation (model, data and split sizes, optimiser, steps, scored tokens: its own words)."""
+    evaluation (model, data and split sizes, optimiser, steps, scored tokens: its own words), and
+    on the corpus of the runs already finished here (``local``: their results), before any training."""
     try:
         prev = json.loads(Path(path).read_text())
         runs = [r for r in prev["runs"] if (r["method"], r["seed"]) in set(wanted)]
@@ -89,6 +112,7 @@ def include_runs(path: Path, cfg: TrainConfig, missing: Sequence[tuple], wanted:
     if bad:
         raise ConfigError(f"include_runs: {path} holds runs of another preset or step count ({', '.join(bad)}): "
                           f"include a table made with --preset {cfg.preset} and {cfg.steps} steps")
+    one_data(list(local) + same + other)
     # the earlier table's words are those of its own packing: the rest must agree exactly
     want = describe(replace(cfg, pack=bool(meta.get("pack", False))), same + other)
     for key in ("setup", "evaluation"):

@@ -149,7 +149,8 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     inc = None
     if include:
         here = [(m, s) for m, s in pairs if (run_dir(replace(cfg, method=m, seed=s)) / "result.json").exists()]
-        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs)
+        local = [_read_json(run_dir(replace(cfg, method=m, seed=s)) / "result.json") for m, s in here]
+        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs, [r for r in local if r])
     earlier = inc.same if inc else []
     taken = {(r["method"], r["seed"]) for r in earlier}
     # Seed-major training order: a table cut short still has every method at the first seeds.
