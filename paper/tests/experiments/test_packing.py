@@ -168,7 +168,7 @@ def test_a_packed_table_shows_unpacked_runs_beside_its_own(tmp_path, capsys):
     assert "| ALiBi, unpacked | 1 |" in md and "| ALiBi, packed | 1 |" in md
     assert "2 run(s) taken from" in md and "alibi (1), poslsh-s2 (1) unpacked, shown beside" in md
     assert "On the unpacked rows: PosLSH s=2 within about 1% of ALiBi" in md
-    assert "Packing leaves the verdicts unchanged (1 claims checked" in md and "Packing moves ALiBi's PPL" in md
+    assert "Packing leaves the verdicts unchanged (1 claim checked" in md and "Packing moves ALiBi's PPL" in md
     saved = json.loads((tmp_path / "results" / "smoke-packed" / "table.json").read_text())
     assert saved["meta"]["pack"] is True and {r["pack"] for r in saved["rows"]} == {False, True}
     # the packed table again includes its own runs as stand-ins, and the unpacked ones beside them

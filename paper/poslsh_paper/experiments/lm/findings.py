@@ -177,7 +177,7 @@ def _packing(main: List[dict], other: List[dict], own: bool, fine_tuned: bool) -
     common = [line for line in _claims(main, fine_tuned) if key(line) in verdict]
     changed = [key(line) for line in common if line.endswith("does NOT hold.") != verdict[key(line)]]
     out = [f"On the {word} rows: {line}" for line in theirs]
-    out.append(f"Packing leaves the verdicts unchanged ({len(common)} claims checked on packed and unpacked rows; "
+    out.append(f"Packing leaves the verdicts unchanged ({len(common)} claim{'' if len(common) == 1 else 's'} checked on packed and unpacked rows; "
                f"changed: {'; '.join(changed) or 'none'}): {_ok(common and not changed)}.")
     for m in dict.fromkeys(r["method"] for r in main):
         moves, said = [], []
