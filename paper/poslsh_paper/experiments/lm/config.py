@@ -166,7 +166,7 @@ PRESETS = {
         preset="cpu", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
         seq_len=256, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3, fixed_block_size=64,
         eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400),
-    # Issue 12's longer-training check: the cpu preset with 3x the steps (same warmup ratio and
+    # The longer-training check: the cpu preset with 3x the steps (same warmup ratio and
     # linear decay, so the schedule stretches), ALiBi vs PosLSH s=20 i.i.d. / grouped, 2 seeds;
     # about 2 h with --jobs 2 on 2 cores. Does the gap to ALiBi shrink with training?
     "cpu-long": TrainConfig(
