@@ -61,7 +61,7 @@ from poslsh_paper.experiments.audit_output import allowed_violations, c3_constan
 from poslsh_paper.experiments.audit_config import COMMANDS, PRESETS, AuditConfig, auto_rows
 from poslsh_paper.experiments.audit_table import (TABLE_FIELDS, format_table, format_report, read_convergence_rows,
                                                   reused_source, skipped_row, summary_line, table_row)
-from poslsh_paper.experiments.model_inputs import InputsNotAvailable, is_reference, missing_prerequisites
+from poslsh_paper.experiments.model_inputs import InputsNotAvailable, missing_prerequisites, reference_note
 
 __all__ = ["AuditConfig", "PRESETS", "allowed_violations", "c3_constant", "matrix_trials", "matrix_checks",
            "output_trials", "output_checks", "run", "write", "main", "format_table", "format_report", "summary_line",
@@ -252,6 +252,5 @@ def main(cfg: AuditConfig) -> int:
     result = run(cfg, log=_say)
     out = write(result, cfg.out)
     print(format_report(result["table"]))
-    ref = " (the committed reference results: review with git diff)" if is_reference(out) else ""
-    _say(f"{summary_line(result)} ({result['timing']['total_s']:.0f} s) -> {out}{ref}")
+    _say(f"{summary_line(result)} ({result['timing']['total_s']:.0f} s) -> {out}{reference_note(out)}")
     return 0 if result["passed"] else 1

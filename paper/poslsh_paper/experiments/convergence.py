@@ -65,7 +65,7 @@ from poslsh_paper.io import atomic_write_text, csv_text
 from poslsh.sampling import group_sizes, parse_sampler
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.convergence_config import COMMANDS, METRICS, PRESETS, VERSION, ConvergenceConfig
-from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, is_reference, load_model, query_heads
+from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, load_model, query_heads, reference_note
 
 __all__ = ["ConvergenceConfig", "ConvergenceResult", "PRESETS", "run", "write", "main", "summarize", "slopes",
            "bounds_table", "equivalence_table", "format_report", "COMMANDS"]
@@ -324,5 +324,5 @@ def main(cfg: ConvergenceConfig) -> int:
     result = run(cfg, log=print)
     out = write(result, cfg.out, plot=cfg.plot)
     print(format_report(result.report))
-    print(f"wrote {out}" + (" (the committed reference results: review with git diff)" if is_reference(out) else ""))
+    print(f"wrote {out}{reference_note(out)}")
     return 0

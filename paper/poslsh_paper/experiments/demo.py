@@ -42,7 +42,7 @@ from poslsh_paper.timing import median_seconds
 from poslsh_paper.experiments import demo_config
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.demo_config import COMMANDS, MODEL_HEADS, PRESETS, DemoConfig
-from poslsh_paper.experiments.model_inputs import is_reference
+from poslsh_paper.experiments.model_inputs import reference_note
 
 __all__ = ["DemoConfig", "DemoRow", "DemoResult", "PRESETS", "Stopwatch", "crossover", "crossover_length",
            "busy_warning", "run", "write", "main", "format_table", "COMMANDS"]
@@ -320,6 +320,5 @@ def main(cfg: DemoConfig) -> int:
     print()
     print(format_table(res))
     fig, js = write(res, cfg.out)
-    ref = " (the committed reference results: review with git diff)" if is_reference(cfg.out) else ""
-    print(f"\nwrote {fig} (Figure 1 analog) and {js}{ref}  [{time.perf_counter() - t0:.0f} s]")
+    print(f"\nwrote {fig} (Figure 1 analog) and {js}{reference_note(cfg.out)}  [{time.perf_counter() - t0:.0f} s]")
     return 0

@@ -45,7 +45,7 @@ from poslsh_paper.analysis.records import sampler_draws
 from poslsh_paper.experiments import frontier_methods as fm
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.frontier_config import PRESETS, VERSION, FrontierConfig  # noqa: F401  (re-exported)
-from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, is_reference, load_model
+from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, load_model, reference_note
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.io import atomic_write_text
 
@@ -266,5 +266,5 @@ def main(cfg: FrontierConfig) -> int:
     result = run(cfg, log=print)
     out = write(result, cfg.out, plot=cfg.plot)
     print(comparison_text(result.report))
-    print(f"wrote {out}" + (" (the committed reference results: review with git diff)" if is_reference(out) else ""))
+    print(f"wrote {out}{reference_note(out)}")
     return 0

@@ -26,7 +26,7 @@ if TYPE_CHECKING:      # the loaders import torch when called; the configs (and 
 
 __all__ = ["ModelInputs", "InputsNotAvailable", "load_model", "query_heads", "input_segments",
            "missing_prerequisites", "check_prerequisites", "corpus_hint", "check_out_dir", "is_reference",
-           "REFERENCE_DIR"]
+           "reference_note", "REFERENCE_DIR"]
 
 REFERENCE_DIR = "results"      # committed reference results: rewritten only by an explicit --out
 
@@ -134,6 +134,11 @@ def is_reference(path) -> bool:
     except ValueError:
         return False
     return True
+
+
+def reference_note(path) -> str:
+    """What a job appends to its "wrote ..." line: a reminder when it rewrote the committed results."""
+    return " (the committed reference results: review with git diff)" if is_reference(path) else ""
 
 
 def load_model(cfg: ModelInputs):
