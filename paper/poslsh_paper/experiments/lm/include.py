@@ -24,7 +24,7 @@ PACKING = (" Packed documents: each training window is cut at its separators int
            "at position 0 and see nothing of each other; every target counts, nothing is padded.")
 
 
-def _data_words(data: Optional[dict]) -> str:
+def _data_words(data: dict) -> str:
     return ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens" for k, v in data.items())
 
 

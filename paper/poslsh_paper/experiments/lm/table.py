@@ -148,9 +148,10 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     pairs = [(m, s) for m in methods for s in seeds]
     inc = None
     if include:
-        here = [(m, s) for m, s in pairs if (run_dir(replace(cfg, method=m, seed=s)) / "result.json").exists()]
-        local = [_read_json(run_dir(replace(cfg, method=m, seed=s)) / "result.json") for m, s in here]
-        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs, [r for r in local if r])
+        files = {(r.method, r.seed): run_dir(r) / "result.json" for r in runs}
+        here = [p for p in pairs if files[p].exists()]
+        local = [r for r in (_read_json(files[p]) for p in here) if r]
+        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs, local)
     earlier = inc.same if inc else []
     taken = {(r["method"], r["seed"]) for r in earlier}
     # Seed-major training order: a table cut short still has every method at the first seeds.
