@@ -43,3 +43,16 @@ def test_included_runs_of_another_corpus_are_refused_before_training(tmp_path):
     # on the same corpus the check passes on to the words of the set-up (here: none recorded)
     with pytest.raises(ConfigError, match="another setup"):
         include_runs(old, cfg, [("alibi", 0), ("alibi", 1)], wanted, [run("alibi-wcost10", 0, OLD, cfg)])
+
+
+@pytest.mark.parametrize("text, says", [("{\"x\": 1}", "is not a table.json"), ("[1]", "is not a table.json"),
+                                        ("{\"runs\": [{\"seed\": 0}]}", "is not a table.json"),
+                                        ("not json", "cannot read the runs")])
+def test_a_file_that_is_not_a_table_is_one_line(tmp_path, text, says):
+    bad = tmp_path / "table.json"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=says) as e:
+        include_runs(bad, get_preset("cpu"), [("alibi", 0)], [("alibi", 0)])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="cannot read the runs"):
+        include_runs(tmp_path / "missing.json", get_preset("cpu"), [("alibi", 0)], [("alibi", 0)])

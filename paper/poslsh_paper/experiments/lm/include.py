@@ -99,7 +99,10 @@ def include_runs(path: Path, cfg: TrainConfig, missing: Sequence[tuple], wanted:
     try:
         prev = json.loads(Path(path).read_text())
         runs = [r for r in prev["runs"] if (r["method"], r["seed"]) in set(wanted)]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"include_runs: {path} is not a table.json of `poslsh table` (no list of runs with a "
+                          f"method and a seed: {type(e).__name__} {e}); give the table.json next to a table.md") from e
+    except (OSError, ValueError) as e:
         raise ConfigError(f"include_runs: cannot read the runs of table {path}: {e}") from e
     meta = prev.get("meta", {})
     same = [r for r in runs if bool(r.get("pack", False)) == cfg.pack and (r["method"], r["seed"]) in set(missing)]
