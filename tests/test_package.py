@@ -57,6 +57,7 @@ def wheel(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(out), str(REPO)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "deprecat" not in (r.stdout + r.stderr).lower(), "the build warned: " + (r.stdout + r.stderr)[-2000:]
     (path,) = out.glob("poslsh-*.whl")
     return path
 
@@ -81,6 +82,8 @@ def test_wheel_needs_torch_alone_and_imports_no_app_library(wheel, tmp_path):
     hard = [r for r in meta.requires if "extra ==" not in r]
     assert hard == ["torch>=2.4"], hard
     assert (site / "poslsh" / "py.typed").exists() and not (site / "poslsh_paper").exists()
+    assert meta.metadata["License-Expression"] == "Apache-2.0"
+    assert any(f.name == "LICENSE" and "licenses" in f.parts for f in meta.files), "the wheel carries no LICENSE"
 
 
 def test_one_version():
