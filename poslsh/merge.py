@@ -34,7 +34,8 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Ten
     Returns:
         ``(out [..., n, dv] in the dtype of outs, lse [..., n] in float32, float64 if any input is
         float64)``: ``lse = logsumexp_p lse_p``, ``out = sum_p exp(lse_p - lse) out_p``. A query with
-        no key in any set gets ``out = 0`` and ``lse = -inf``. Differentiable in every ``out_p`` and
+        no key in any set gets ``out = 0`` and ``lse = -inf``; a NaN in any partial's lse gives NaN
+        ``out`` and ``lse`` on that query, so it survives further merges. Differentiable in every ``out_p`` and
         ``lse_p``, with finite gradients on such rows too.
     """
     if isinstance(outs, Tensor) or isinstance(lses, Tensor):
@@ -64,7 +65,10 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Ten
     # Clamped before the division and the log so that empty rows have finite gradients (the
     # untaken branch of a where still gets differentiated).
     safe = total.clamp_min(torch.finfo(ct).tiny)
-    merged_lse = torch.where(total > 0, top + torch.log(safe), torch.full_like(total, float("-inf")))
+    # No key in any set: -inf. A NaN in any partial stays NaN (a later merge must not read it as
+    # "no key" and drop that partial).
+    empty = torch.where(torch.isnan(total), total, torch.full_like(total, float("-inf")))
+    merged_lse = torch.where(total > 0, top + torch.log(safe), empty)
     weights = (w / safe)[..., None]                                            # [P, ..., n, 1]
     # a set a query has no key in contributes nothing, even if its partial output is NaN there
     out = sum(weights[p] * outs[p].to(ct).masked_fill(weights[p] == 0, 0.0) for p in range(len(outs)))

@@ -188,6 +188,23 @@ def test_merge_is_safe_on_rows_with_no_keys():
     assert half.dtype == torch.float16 and lse_half.dtype == torch.float32
 
 
+def test_merge_propagates_nan():
+    """A NaN lse in one partial makes that query's merged out and lse NaN, so a later merge cannot
+    mistake it for "no key" (-inf) and return the other partials alone, finite and wrong."""
+    g = torch.Generator().manual_seed(0)
+    outs = [torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    lses = [torch.randn(1, 2, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    lses[1][0, 1, 3] = float("nan")
+    ab, lse_ab = poslsh.merge_attention(outs[:2], lses[:2])
+    assert torch.isnan(lse_ab[0, 1, 3]) and torch.isnan(ab[0, 1, 3]).all()
+    abc, lse_abc = poslsh.merge_attention([ab, outs[2]], [lse_ab, lses[2]])
+    flat, lse_flat = poslsh.merge_attention(outs, lses)
+    for nested, whole in ((abc, flat), (lse_abc, lse_flat)):
+        assert torch.isnan(nested[0, 1, 3]).all() and torch.isnan(whole[0, 1, 3]).all()
+        keep = ~torch.isnan(whole)
+        assert torch.allclose(nested[keep], whole[keep], rtol=0, atol=1e-12)
+
+
 def test_merge_rejects_bad_input():
     o, l = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3)
     with pytest.raises(ValueError, match="one lse per partial output"):
