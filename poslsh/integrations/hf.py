@@ -58,7 +58,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..alibi import alibi_slopes
+from . import require_transformers
+
+require_transformers()      # one line naming what to install, before the imports that need it
+
+from ..alibi import alibi_slopes  # noqa: E402
 from ..attention import poslsh_attention, windowed_alibi_attention
 from ..reference import alibi_attention, dense_attention
 from . import hf_cache
