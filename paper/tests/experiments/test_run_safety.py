@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
+from poslsh_paper.experiments import sweep  # noqa: E402
 from poslsh_paper.experiments.lm import table  # noqa: E402
 from poslsh_paper.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
 from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
@@ -143,7 +144,7 @@ def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
     """A table's Ctrl-C/SIGTERM must reach every child, even those started by a table that a
     script put in the background (they inherit SIGINT ignored): the children get SIGTERM."""
     import threading
-    children, codes = table._Children(), []
+    children, codes = sweep.Children(), []
     child = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
              "print('ready', flush=True); time.sleep(120)"]
     log = tmp_path / "child.log"
@@ -157,3 +158,17 @@ def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
     print("child exit", codes)
     assert codes == [-signal.SIGTERM]
     assert children.run(child, log, dict(os.environ)) is None       # nothing starts after an interrupt
+
+
+def test_table_with_jobs_trains_each_run_in_a_worker(tmp_path, monkeypatch):
+    """``poslsh table --jobs 2``: every missing run in a ``poslsh train --resume`` subprocess (the
+    sweep runner's), its requested config and log in its run directory, then the table."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), str(REPO / "paper"),
+                                                                 os.environ.get("PYTHONPATH", "")) if p))
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=2, methods=("alibi", "poslsh-s2"), seeds=(0,))
+    results = table.run_table(cfg, ["alibi", "poslsh-s2"], [0], tmp_path / "results", progress=False, jobs=2)
+    assert sorted(r["method"] for r in results) == ["alibi", "poslsh-s2"]
+    for m in ("alibi", "poslsh-s2"):
+        d = run_dir(replace(cfg, method=m, seed=0))
+        assert (d / "requested-config.json").is_file() and (d / "train.log").is_file()
+    assert (tmp_path / "results" / cfg.preset / "table.md").is_file()

@@ -132,3 +132,24 @@ def test_bad_config_is_one_line(tmp_path, capsys, flag, value, match):
     code = cli.main(["vision", flag, value, "--runs-dir", str(tmp_path / "r"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and match in err and err.count("\n") == 1
+
+
+def test_parallel_runs_train_in_worker_processes(tmp_path, monkeypatch):
+    """``--jobs 2``: each run in a worker subprocess (the sweep runner's), logs in its run
+    directory, the same table rows as runs trained here."""
+    import os
+    from pathlib import Path
+
+    from poslsh_paper.experiments.vision import table as vtable
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(repo), str(repo / "paper"),
+                                                                 os.environ.get("PYTHONPATH", "")) if p))
+    cfg = tiny(tmp_path, methods=("learned", "poslsh-s2"), seeds=(0,))
+    lines = []
+    vtable.run_all(cfg, jobs=2, progress=lines.append)
+    print("\n".join(lines))
+    for m in cfg.methods:
+        d = vcfg.run_dir(cfg, m, 0)
+        assert (d / vtrain.RESULT).is_file() and "acc@1x" in (d / "train.log").read_text()
+    assert sum(line.startswith("[done]") for line in lines) == 2 and any("acc@2x" in line for line in lines)
+    assert {r["method"] for r in vtable.collect(cfg)} == set(cfg.methods)
