@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
 from poslsh_paper.experiments import sweep  # noqa: E402
 from poslsh_paper.experiments.lm import table  # noqa: E402
-from poslsh_paper.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
+from poslsh_paper.experiments.checkpoints import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
 from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
 from poslsh_paper.experiments.lm.loop import train  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_checkpoint_without_manifest_is_incomplete(tmp_path):
     ck = run_dir(cfg) / "checkpoints" / "step-00000003"
     (ck / "manifest.json").unlink()
     assert "no manifest.json" in checkpoint_problem(ck)
-    from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params
+    from poslsh_paper.experiments.checkpoints import load_checkpoint_params
     with pytest.raises(ConfigError, match="older layout.*--resume"):       # the files are there: adoptable
         load_checkpoint_params(ck)
     (ck / "optimizer.safetensors").unlink()

@@ -3,7 +3,7 @@
 Everything random is a function of ``(seed, step)``: the initialisation (``seed``), the order of
 epoch ``e`` (a permutation seeded by ``(seed, e)``) and the PosLSH boxes of step ``t`` and layer
 ``l`` (``(seed, t, l)``), so a resumed run repeats the uninterrupted one bit for bit. Checkpoints
-are safetensors, written atomically with a manifest (:mod:`poslsh_paper.experiments.lm.checkpoint`);
+are safetensors, written atomically with a manifest (:mod:`poslsh_paper.experiments.checkpoints`);
 ``result.json`` is written atomically at the end.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from poslsh_paper.data.images import ImageSet, load_images, subset, to_float, up
 from poslsh_paper.io import atomic_write_text
 from poslsh.seeding import stable_seed
 from poslsh.threads import intra_op_threads
-from poslsh_paper.experiments.lm.checkpoint import (latest_checkpoint, load_checkpoint, prepare_resume, run_lock,
-                                                    save_checkpoint)
+from poslsh_paper.experiments.checkpoints import (latest_checkpoint, load_checkpoint, prepare_resume, run_lock,
+                                                 save_checkpoint)
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.experiments.vision.config import VisionConfig, check, parse_method, run_dir
 from poslsh_paper.experiments.vision.model import ViT
