@@ -2,12 +2,12 @@
 ``jobs > 1``, by :mod:`poslsh_paper.experiments.sweep`), aggregated.
 
 Writes ``table.md``, ``table.csv`` and ``table.json`` (mean +- sample std over seeds of the test
-accuracy at each resolution) with the paper-style findings checked against the numbers.
+accuracy at each resolution) with the paper-style findings checked against the numbers
+(:mod:`.findings`).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -21,6 +21,7 @@ from poslsh_paper.io import atomic_write_text, markdown_table
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.experiments.sweep import Launch, Sweep, mean_std, train_all, write_table_files
 from poslsh_paper.experiments.vision.config import VisionConfig, head_sigmas, method_label, run_dir
+from poslsh_paper.experiments.vision.findings import findings, scale_order
 from poslsh_paper.experiments.vision.train import RESULT, load_splits, result_line, train_run
 
 __all__ = ["vision_sweep", "run_all", "collect", "aggregate", "findings", "render_markdown", "write_table"]
@@ -80,75 +81,8 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
     return rows
 
 
-def _sem(rows, method, scale) -> float:
-    """Standard error of the mean accuracy over seeds."""
-    for r in rows:
-        if r["method"] == method and r["scale"] == scale:
-            return r["acc_std"] / math.sqrt(max(1, r["seeds"]))
-    return 0.0
-
-
-def _acc(rows, method, scale):
-    for r in rows:
-        if r["method"] == method and r["scale"] == scale:
-            return r["acc_mean"]
-    return None
-
-
-def _order(key: str):
-    """``"1x" < "2x" < "2x-scaled" < "4x"``."""
-    return int(key.split("x")[0]), key.endswith("-scaled")
-
-
-def findings(rows: List[dict]) -> List[str]:
-    """The paper-style claims, each with the numbers and 'holds' / 'does NOT hold'."""
-    ok = lambda c: "holds" if c else "does NOT hold"  # noqa: E731
-    scales = sorted({r["scale"] for r in rows}, key=_order)
-    if not scales:
-        return []
-    base, out = scales[0], []
-    lsh = sorted((int(r["method"][8:]), r["method"]) for r in rows if r["method"].startswith("poslsh-s")
-                 and r["scale"] == base)
-    alibi = _acc(rows, "alibi-2d", base)
-    if alibi is not None and len(lsh) > 1:
-        gaps = [alibi - _acc(rows, m, base) for _, m in lsh]
-        # Seed noise: the standard error of a difference of two means over the seeds.
-        se = [math.hypot(_sem(rows, a, base), _sem(rows, b, base)) for (_, a), (_, b) in zip(lsh, lsh[1:])]
-        se_ends = math.hypot(_sem(rows, lsh[0][1], base), _sem(rows, lsh[-1][1], base))
-        strict = all(b <= a for a, b in zip(gaps, gaps[1:]))
-        noisy = all(b - a < e for a, b, e in zip(gaps, gaps[1:], se)) and gaps[0] - gaps[-1] > 2 * se_ends
-        out.append(f"2-D PosLSH approaches exact 2-D ALiBi as s grows at {base} (accuracy gap to ALiBi: "
-                   f"{', '.join(f's={s}: {g:+.2f}' for (s, _), g in zip(lsh, gaps))} points): "
-                   f"{ok(noisy)} within seed noise (the gap at s={lsh[-1][0]} is below the gap at s={lsh[0][0]} by "
-                   f"{gaps[0] - gaps[-1]:.2f} > 2 SE = {2 * se_ends:.2f}, and no step up exceeds one SE of its "
-                   f"difference); strictly monotone: {'yes' if strict else 'no'}.")
-    for scale in [k for k in scales[1:] if not k.endswith("-scaled")]:
-        learned = _acc(rows, "learned", scale)
-        if learned is None:
-            continue
-        for key, how in ((scale, "sigma in patches, as trained"), (scale + "-scaled", "sigma and boxes scaled with "
-                                                                                      "the resolution")):
-            cands = [m for m in ["alibi-2d"] + [m for _, m in lsh] if _acc(rows, m, key) is not None]
-            if not cands:
-                continue
-            better = [m for m in cands if _acc(rows, m, key) > learned]
-            out.append(f"2-D ALiBi and 2-D PosLSH extrapolate to {scale} resolution better than learned positions "
-                       f"({how}; learned, resized bicubically: {learned:.2f}%; better: {', '.join(better) or 'none'} "
-                       f"of {', '.join(cands)}): {ok(len(better) == len(cands))}.")
-        for key in (scale, scale + "-scaled"):
-            a1, a2 = _acc(rows, "alibi-1d", key), _acc(rows, "alibi-2d", key)
-            if a1 is not None and a2 is not None:
-                out.append(f"2-D ALiBi beats 1-D raster ALiBi at {key} ({a2:.2f}% vs {a1:.2f}%): {ok(a2 > a1)}.")
-    fixed = _acc(rows, "fixed-boxes", base)
-    if fixed is not None and lsh:
-        beats = [s for s, m in lsh if _acc(rows, m, base) > fixed]
-        out.append(f"2-D PosLSH beats fixed 2-D boxes at {base} (fixed: {fixed:.2f}%; beaten by s in "
-                   f"{beats or 'none'}): {ok(len(beats) == len(lsh))}.")
-    return out
-
-
 def render_markdown(rows: List[dict], meta: dict) -> str:
-    scales = sorted({r["scale"] for r in rows}, key=_order)
+    scales = sorted({r["scale"] for r in rows}, key=scale_order)
     header = ["Method", "Seeds"]
     for s in scales:
         r = next(r for r in rows if r["scale"] == s)
