@@ -84,6 +84,35 @@ def test_table_uses_only_runs_of_its_config(tmp_path, capsys):
     assert "left out of the table: 1 run" in err and "steps 4 (table: 3)" in err and "--overwrite" in err
     md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
     assert "| ALiBi | 1 |" in md
+    # the table says so itself, one line per run (the stderr lines scroll away under training output)
+    left = [line for line in md.splitlines() if line.startswith("- ") and "result.json" in line]
+    assert "**Left out:** 1 run(s)" in md and "--overwrite" in md
+    assert left == [f"- {run_dir(replace(cfg, seed=1)) / 'result.json'}: trained with steps 4 (table: 3)"]
+    table_json = json.loads((tmp_path / "results" / cfg.preset / "table.json").read_text())
+    assert table_json["meta"]["left_out"] == [left[0][2:]]
+
+
+def test_table_of_only_other_config_runs_says_so_and_never_prints_an_older_table(tmp_path, capsys):
+    """An earlier 10-step table, then the table of the preset's steps over the same runs: every
+    run is left out; the earlier table.md must not be printed as this table's."""
+    from poslsh_paper.cli import main
+    from poslsh_paper.experiments.serialize import config_to_dict
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi",), seeds=(0,))
+    train(replace(cfg, steps=4), progress=False, evaluate=True)
+    out = tmp_path / "results"
+    table.run_table(replace(cfg, steps=4), ["alibi"], [0], out, progress=False, train_missing=False,
+                    command="the earlier table")
+    assert "the earlier table" in (out / cfg.preset / "table.md").read_text()
+    capsys.readouterr()
+    request = tmp_path / "table.json"
+    request.write_text(json.dumps(config_to_dict(cfg)))
+    assert main(["table", "--config-json", str(request), "--out", str(out), "--no-progress"]) == 2
+    got = capsys.readouterr()
+    print(got.err)
+    assert "the earlier table" not in got.out and "Length extrapolation" not in got.out
+    last = got.err.strip().splitlines()[-1]
+    assert "no table was written" in last and "--overwrite" in last
+    assert "steps 4 (table: 3)" in got.err                              # which run, and why
 
 
 def test_table_includes_earlier_runs_only_of_the_same_setup(tmp_path, capsys):

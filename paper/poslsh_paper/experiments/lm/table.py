@@ -37,6 +37,10 @@ from poslsh_paper.experiments.lm.model import build_model
 __all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "table_sweep", "dry_run",
            "table_dir", "describe"]
 
+# Why a run of the grid is not in the table, and what to do (the list of runs follows).
+LEFT_OUT = ("{n} run(s) of this table's methods and seeds were trained with another config than this table's and are "
+            "not in it (retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere)")
+
 CSV_FIELDS = ["method", "label", "pack", "length", "context", "seeds", "ppl_mean", "ppl_std", "acc_mean", "acc_std"]
 
 
@@ -90,6 +94,9 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
     for key in ("command", "included", "setup", "evaluation"):
         if meta.get(key):
             lines += [f"**{key.capitalize()}:** {meta[key]}", ""]
+    if meta.get("left_out"):
+        lines += [f"**Left out:** {LEFT_OUT.format(n=len(meta['left_out']))}", ""]
+        lines += [f"- {line}" for line in meta["left_out"]] + [""]
     lines += [markdown_table(head, body), "",
               "Mean ± sample standard deviation over the seeds counted in the Seeds column.", ""]
     found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")), pack=meta.get("pack"))
@@ -145,7 +152,9 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
               progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1,
               include: Optional[Path] = None) -> List[dict]:
     """Train (or resume) every missing method x seed run, ``jobs`` at a time, then write the
-    table. Returns the runs' results (those with a ``result.json``). ``include``: an earlier
+    table. Returns the runs' results (those with a ``result.json``; none: no table is written).
+    A run of the grid recorded with another config is neither resumed nor retrained over: it is
+    left out, said on stderr and in the table, one line each (which run, what differs). ``include``: an earlier
     ``table.json`` whose runs stand in for the method x seed runs that have no run directory
     here (nothing is retrained for them; the table says which rows came from it); its runs of
     the other packing are shown beside this table's (:func:`.include.include_runs`)."""
@@ -167,7 +176,7 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
     if others and int(os.environ.get("RANK", "0")) == 0:
         print(f"left out of the table: {len(others)} run(s) trained with another config than this table's "
               "(retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere):\n  "
-              + "\n  ".join(others), file=sys.stderr)
+              + "\n  ".join(others), file=sys.stderr)      # said again in the table: this scrolls away
     if int(os.environ.get("RANK", "0")) == 0 and results:
         title = ("Length extrapolation, trained from scratch (Table 1 analog)" if cfg.model.kind == "scratch"
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")
@@ -176,6 +185,8 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
                 "fine_tuned": cfg.model.kind != "scratch", "pack": cfg.pack, **describe(cfg, results)}
         if inc and (inc.same or inc.other):
             meta["included"] = included_note(inc, include, cfg.pack)
+        if others:
+            meta["left_out"] = others
         write_table(results, list(methods), table_dir(Path(results_dir), cfg), meta)
     return results
 
