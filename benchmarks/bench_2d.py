@@ -19,8 +19,6 @@ Run: ``python benchmarks/bench_2d.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -29,14 +27,13 @@ import torch
 import torch.nn.functional as F
 
 import poslsh
-from poslsh_paper.io import atomic_write_json
-from poslsh_paper.timing import sample_seconds
+from bench_common import machine, sample_seconds, write_json
 
 B, D, S = 1, 64, 10
 SIGMAS = {"image": (1.0, 2.0, 4.0, 8.0), "alibi": (4.0, 16.0, 64.0, 256.0)}
 
 
-def median_seconds(fn, repeats: int):
+def median_cpu_and_wall(fn, repeats: int):
     """Median (CPU seconds, wall seconds) of ``fn()`` over ``repeats`` calls after one warm-up call."""
     wall, cpu = sample_seconds(fn, repeats)
     return statistics.median(cpu), statistics.median(wall)
@@ -52,10 +49,10 @@ def time_poslsh(G: int, sigma, repeats: int, backward: bool = False) -> float:
     q, k, v, parts = inputs(G, sigma)
     if not backward:
         with torch.no_grad():
-            return median_seconds(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)), repeats)
+            return median_cpu_and_wall(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)), repeats)
     for t in (q, k, v):
         t.requires_grad_(True)
-    return median_seconds(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)).sum().backward(), repeats)
+    return median_cpu_and_wall(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)).sum().backward(), repeats)
 
 
 def time_exact(G: int, sigma, repeats: int) -> float:
@@ -63,7 +60,7 @@ def time_exact(G: int, sigma, repeats: int) -> float:
     mask = poslsh.alibi_bias_nd(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
                                 dtype=torch.float32)[None]
     with torch.no_grad():
-        return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+        return median_cpu_and_wall(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
 
 def main() -> int:
@@ -77,11 +74,10 @@ def main() -> int:
     grids = (32, 64) if args.quick else (64, 128)
     repeats = 1 if args.quick else 5
     sets = ("image", "alibi") if args.heads == "both" else (args.heads,)
-    machine = (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
-               f"load average at start {os.getloadavg()[0]:.1f}")
-    print(f"bench_2d: float32, B={B}, H=4, d={D}, s={S}, non-causal; {machine}")
+    machine_line = f"{machine()} (load at start), {args.threads} threads"
+    print(f"bench_2d: float32, B={B}, H=4, d={D}, s={S}, non-causal; {machine_line}")
     res = {"config": {"B": B, "H": 4, "d": D, "s": S, "causal": False, "grids": grids, "threads": args.threads},
-           "machine": machine, "timing": "median CPU time (process_time) per call, one thread; wall medians in wall_ms",
+           "machine": machine_line, "timing": "median CPU time (process_time) per call, one thread; wall medians in wall_ms",
            "date": time.strftime("%Y-%m-%d %H:%M"), "rows": []}
     for name in sets:
         sigma = SIGMAS[name]
@@ -103,7 +99,7 @@ def main() -> int:
         res.setdefault("scaling", {})[name] = scaling
         print(f"  scaling {hi}^2/{lo}^2 (4x the tokens): poslsh fwd {scaling['poslsh_fwd']:.2f}, fwd+bwd "
               f"{scaling['poslsh_fwd_bwd']:.2f}, exact {scaling['exact']:.2f}")
-    print(f"wrote {atomic_write_json(args.out, res)}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """What every benchmark script shares, depending on the library's dependencies only (not on the
-paper's app): the machine line, side-by-side timing in interleaved rounds, peak memory, and
-the JSON / Markdown writers.
+paper's app): the machine line, side-by-side timing in interleaved rounds, per-call wall and
+CPU samples, peak memory, and the JSON / Markdown writers.
 
 Side by side means one process, every contender timed once per round, rounds repeated, the
 best (lowest) time of each kept: on a shared machine the best round is the one least disturbed
@@ -13,9 +13,10 @@ import json
 import os
 import platform
 import resource
+import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,28 @@ def best_of_rounds(contenders: Mapping[str, Callable[[], object]], *, rounds: in
             times[name].append(time.perf_counter() - t0)
     return {name: {"best": min(ts), "median": sorted(ts)[len(ts) // 2], "worst": max(ts)}
             for name, ts in times.items()}
+
+
+def sample_seconds(fn: Callable[[], object], repeats: int = 3,
+                   warmup: int = 1) -> Tuple[List[float], List[float]]:
+    """Wall and process-CPU seconds of each of ``repeats`` calls of ``fn()``, after ``warmup``
+    untimed calls: ``(walls, cpus)``. CPU / wall above 1 means several threads worked; far below
+    1, the process waited (for the scheduler, on a busy machine)."""
+    for _ in range(warmup):
+        fn()
+    walls, cpus = [], []
+    for _ in range(max(1, repeats)):
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return walls, cpus
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
+    return statistics.median(sample_seconds(fn, repeats, warmup)[0])
 
 
 def peak_rss_gib() -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import tempfile
@@ -39,7 +38,7 @@ import poslsh
 from poslsh.alibi import make_window
 from poslsh.distributed import (comm_stats, context_parallel_attention, gather_layout, halo_exchange, key_ranges,
                                 shard_range)
-from poslsh_paper.io import atomic_write_json, markdown_table
+from bench_common import machine, markdown_table, write_json
 
 S = 10                                                      # samples per head
 SMALL = dict(Hq=8, Hkv=2, d=64, dtype=torch.float32)        # measured on gloo (CPU)
@@ -158,7 +157,7 @@ def main() -> None:
     ap.add_argument("--no-measure", action="store_true", help="cost model only (no processes)")
     ap.add_argument("--out", default="outputs/bench_context_parallel.json")
     args = ap.parse_args()
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, gloo",
+    out = {"machine": f"{machine()}, gloo",
            "small": {k: str(v) for k, v in SMALL.items()}, "large": {k: str(v) for k, v in LARGE.items()},
            "samples": S, "measured": [], "model": []}
     if not args.no_measure:
@@ -203,7 +202,7 @@ def main() -> None:
                              mib(c["ring_bytes"]), f"{c['ring_bytes'] / max(c['halo_bytes_max'], 1):,.0f}x"])
     print("\nCost model of the ALiBi window (causal, the same model), per rank per layer per step, worst rank:\n")
     print(markdown_table(["window W", "n", "P", "halo tokens", "halo MiB", "ring MiB", "ring / halo"], rows))
-    atomic_write_json(args.out, out)
+    write_json(args.out, out)
     print(f"\nwrote {args.out}")
 
 

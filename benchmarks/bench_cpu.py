@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,9 +47,7 @@ import torch.nn.functional as F
 
 import poslsh
 from poslsh import theory
-from poslsh_paper.analysis.records import equivalent_samples
-from poslsh_paper.io import atomic_write_json
-from poslsh_paper.timing import median_seconds, sample_seconds
+from bench_common import machine, median_seconds, sample_seconds, write_json
 
 B, H, D, S = 1, 4, 64, 10
 
@@ -140,6 +137,22 @@ def mean_max_error(s: int, method: str, draws: int, n: int = 1024) -> float:
     return float(torch.cat(errs).mean())
 
 
+def iid_samples_of_error(iid_err: dict, err: float) -> float:
+    """The i.i.d. sample size whose mean error is ``err``: log-log linear interpolation of the
+    measured curve ``{s: mean error}`` (the measured errors fall with s). Loud outside the
+    measured range: that needs a longer ``IID_GRID``, not a guess."""
+    import numpy as np
+
+    s, e = zip(*sorted(iid_err.items()))
+    if any(a <= b for a, b in zip(e, e[1:])):
+        raise ValueError(f"the measured i.i.d. errors do not fall with s ({dict(zip(s, e))}); raise --accuracy-draws")
+    if not min(e) <= err <= max(e):
+        raise ValueError(f"error {err:.3g} lies outside the i.i.d. curve measured on IID_GRID "
+                         f"[{min(e):.3g}, {max(e):.3g}]; extend IID_GRID")
+    # np.interp needs increasing abscissae: the curve read from small to large error
+    return float(np.exp(np.interp(math.log(err), np.log(e[::-1]), np.log(s[::-1]))))
+
+
 def sampler_comparison(n: int, repeats: int, draws: int, samples=(5, 10, 20)) -> dict:
     """Grouped vs i.i.d.: accuracy (mean max-norm error at n=1024), the i.i.d. s of equal
     accuracy, and the forward time at ``n`` at equal s and at equal accuracy."""
@@ -154,7 +167,7 @@ def sampler_comparison(n: int, repeats: int, draws: int, samples=(5, 10, 20)) ->
     rows = []
     for s in samples:
         err = mean_max_error(s, "grouped", draws)
-        s_eq, beyond = equivalent_samples(list(iid_err), list(iid_err.values()), err)
+        s_eq = iid_samples_of_error(iid_err, err)
         cases = [setup(s, "grouped"), setup(s, "iid"), setup(max(s, math.ceil(s_eq)), "iid")]
         # interleaved rounds, best of each: on a shared machine the load hits all three alike,
         # and the minimum is the least disturbed call
@@ -172,7 +185,7 @@ def sampler_comparison(n: int, repeats: int, draws: int, samples=(5, 10, 20)) ->
         grouped, iid_same, iid_equal = (dict(rec, seconds=min(rec["times"]), cpu_seconds=min(rec["cpu"]))
                                         for _, rec in cases)
         rows.append({"s": s, "grouped_max_err": err, "iid_max_err_same_s": iid_err.get(s), "iid_s_equal_accuracy": s_eq,
-                     "extrapolated": beyond, "grouped": grouped, "iid_same_s": iid_same,
+                     "grouped": grouped, "iid_same_s": iid_same,
                      "iid_equal_accuracy": iid_equal,
                      "speedup_same_s": iid_same["seconds"] / grouped["seconds"],
                      "speedup_equal_accuracy": iid_equal["seconds"] / grouped["seconds"],
@@ -190,12 +203,12 @@ def print_sampler_comparison(res: dict) -> None:
     for r in res["rows"]:
         g, i, e = r["grouped"], r["iid_same_s"], r["iid_equal_accuracy"]
         print(f"{r['s']:4d} {r['grouped_max_err']:.4f}/{r['iid_max_err_same_s']:.4f} "
-              f"{r['iid_s_equal_accuracy']:9.1f}{'*' if r['extrapolated'] else ' '}  | {g['seconds'] * 1e3:10.1f} "
+              f"{r['iid_s_equal_accuracy']:9.1f}   | {g['seconds'] * 1e3:10.1f} "
               f"{i['seconds'] * 1e3:8.1f} {e['seconds'] * 1e3:10.1f} | {r['speedup_same_s']:7.2f}x "
               f"{r['speedup_equal_accuracy']:7.2f}x | {r['cpu_ratio_same_s']:11.2f}x "
               f"{r['cpu_ratio_equal_accuracy']:11.2f}x | {g['max_block']:>7d}/{i['max_block']:<7d}")
     print("ms: best wall time of interleaved rounds; x = iid / grouped (> 1: grouped faster); cpu x: the same with "
-          "the CPU seconds of the best call; iid@eq = iid at the s of equal accuracy (rounded up); * = extrapolated")
+          "the CPU seconds of the best call; iid@eq = iid at the s of equal accuracy (rounded up)")
 
 
 LOAD_SCRIPT = """
@@ -298,28 +311,23 @@ def main() -> None:
     if args.memory_child is not None:
         peak_memory_child(args.memory_child)
         return
-    machine_line = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch " \
-                   f"{torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
+    machine_line = f"{machine()}, {torch.get_num_threads()} threads"
     if args.rival_only:
         res = rival_comparison((4096, 16384) if args.quick else (16384, 65536), args.rounds)
         print_rival(res)
-        atomic_write_json(args.out, {"machine": machine_line, "load_after": os.getloadavg()[0], "rival": res})
+        write_json(args.out, {"machine": machine_line, "load_after": os.getloadavg()[0], "rival": res})
         print(f"wrote {args.out}")
         return
     if args.samplers_only:
         n = 4096 if args.quick else 16384
         res = sampler_comparison(n, args.repeats, args.accuracy_draws)
         print_sampler_comparison(res)
-        atomic_write_json(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
-                                                f"{torch.__version__}, {torch.get_num_threads()} threads",
-                                     "samplers": res})
+        write_json(args.out, {"machine": machine_line, "samplers": res})
         print(f"wrote {args.out}")
         return
     n_small, n_large = (4096, 16384) if args.quick else (16384, 65536)
     reps = 3 if args.quick else args.repeats
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
-              f"{torch.get_num_threads()} threads"
-    print(f"machine: {machine}")
+    print(f"machine: {machine_line}")
     print(f"config: float32 B={B} H={H} d={D} s={S} causal, ALiBi sigmas {poslsh.alibi_sigmas(H).tolist()}")
 
     mem = peak_memory(n_large)      # first, in a fresh process
@@ -359,8 +367,8 @@ def main() -> None:
     if args.samplers:
         samplers = sampler_comparison(n_small, reps, args.accuracy_draws)
         print_sampler_comparison(samplers)
-    atomic_write_json(args.out, {
-        "machine": machine, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
+    write_json(args.out, {
+        "machine": machine_line, "config": {"B": B, "H": H, "d": D, "s": S, "causal": True, "dtype": "float32"},
         "median_seconds": {f"{name} @ {n}": t for name, n, t in rows},
         "speedup_vs_sdpa_alibi": speedup, "scaling_ratio": scaling, "peak_memory": mem, "busy": busy,
         "samplers": samplers, "rival": rival,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from poslsh_paper.timing import machine
+from bench_common import machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("poslsh-s10", "alibi", "original")
@@ -207,9 +207,7 @@ def main() -> int:
         print(f"  {k}: {v:.3f}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from poslsh_paper.io import atomic_write_json
-    atomic_write_json(out, {"machine": machine(), "threads": a.threads, "steps": steps, "rows": rows,
-                            "ratios": ratios})
+    write_json(out, {"machine": machine(), "threads": a.threads, "steps": steps, "rows": rows, "ratios": ratios})
     print(f"wrote {out}")
     return 0
 

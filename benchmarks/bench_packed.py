@@ -23,7 +23,6 @@ Writes ``results/bench_packed.json`` (``--out``). Run:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -35,7 +34,7 @@ import poslsh
 from poslsh.documents import make_documents
 from poslsh.ops import torch_impl, torch_tiles
 from poslsh.ops.torch_plan import Layout, Span
-from poslsh_paper.timing import machine
+from bench_common import machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("packed", "alone", "unpacked")
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
         "packed_within_1.1x_of_alone_and_below_unpacked": ok,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out_path, record)
     print(f"wrote {out_path}; packed <= 1.1x alone and < unpacked: {ok}")
     return 0 if ok else 1
 

@@ -1,12 +1,10 @@
-"""Wall-clock (and CPU) times for side-by-side CPU comparisons (GPU code uses
-``triton.testing.do_bench``, which synchronises the device)."""
+"""Wall-clock (and CPU) times for the app's side-by-side CPU comparisons (``poslsh demo``).
+The benchmark scripts keep their own timers in ``benchmarks/bench_common.py``: the app and the
+benchmarks depend on the library, not on each other."""
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, List, Tuple
 
 
@@ -30,16 +28,3 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) 
     """Median wall-clock time of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
     return statistics.median(sample_seconds(fn, repeats, warmup)[0])
 
-
-def machine() -> str:
-    """One line naming the machine a timing ran on: CPU model, cores, memory, torch, OS."""
-    import torch
-
-    cpu, mem = "unknown CPU", float("nan")
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, torch {torch.__version__}, {platform.system()}"

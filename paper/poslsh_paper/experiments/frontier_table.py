@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 from poslsh_paper.io import atomic_savefig, csv_text, markdown_table
 
 __all__ = ["head_summary", "summary", "comparison", "hybrid_heads", "bound_rows", "csv_of", "markdown", "plot",
-           "comparison_text"]
+           "figure", "comparison_text"]
 
 METRICS = ("keys", "max", "mae", "relf", "dropped", "bound", "logit_range", "value_range", "exact_reach")
 FAMILY_ORDER = {"exact": -1, "iid": 0, "grouped": 1, "window": 2, "window-c": 3, "hybrid": 4}
@@ -223,13 +223,49 @@ def comparison_text(report: dict) -> str:
     return markdown(report, rows).split("## CPU time")[0]
 
 
+TITLE = "Positional LSH vs exact ALiBi cut at a window (means over heads, inputs, draws)"
+
+
+def _label_log_axis(axis) -> None:
+    """Numbers on a log axis whatever its span: matplotlib labels only powers of ten, so an axis
+    inside one decade (a quick run's keys or seconds) had none. Ticks at the first of 1 x 10^k,
+    (1, 2, 5), (1, 2, 3, 5), every multiple x 10^k that gives three inside the axis (else a few
+    linear steps), as plain numbers (``"20"``, ``"0.05"``)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+
+    lo, hi = sorted(axis.get_view_interval())
+    ticks: List[float] = []
+    for subs in ((1,), (1, 2, 5), (1, 2, 3, 5), range(1, 10)):
+        ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                 for m in subs if lo <= m * 10.0 ** k <= hi]
+        if len(ticks) >= 3:
+            break
+    if len(ticks) < 2:
+        ticks = [t for t in MaxNLocator(nbins=3).tick_values(lo, hi) if lo <= t <= hi]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot(report: dict, rows: List[dict], path) -> Path:
+    """Write :func:`figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report, rows)
+    atomic_savefig(fig, Path(path), dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def figure(report: dict, rows: List[dict]):
     """Log-log relative Frobenius error vs keys per query (top) and vs CPU time (bottom), one column
-    per length; real sources (solid: the first layer, dashed: the next) or else the random ones."""
+    per length; real sources (solid: the first layer, dashed: the next) or else the random ones.
+    The title is wrapped to the figure's width (one column is narrower than the title)."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
 
     cfg = report["config"]
     lengths = cfg["lengths"]
@@ -241,7 +277,8 @@ def plot(report: dict, rows: List[dict], path) -> Path:
     base = cfg["samplers"][0]
     hidden = {f"window@{x}" for x in cfg["samplers"][1:]} | \
         {f"hybrid {x:g}@{base}" for x in cfg["hybrid_shares"][:-1]}
-    fig, axes = plt.subplots(2, len(lengths), figsize=(4.6 * len(lengths), 7.6), squeeze=False)
+    width = 4.6 * len(lengths)
+    fig, axes = plt.subplots(2, len(lengths), figsize=(width, 7.6), squeeze=False)
     for col, n in enumerate(lengths):
         for si, source in enumerate(sources[:2]):
             style = "-" if si == 0 else "--"
@@ -273,13 +310,13 @@ def plot(report: dict, rows: List[dict], path) -> Path:
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.grid(True, which="both", alpha=0.2)
+            if ax.has_data():
+                _label_log_axis(ax.xaxis)
+                _label_log_axis(ax.yaxis)
     for ax in axes[:, 0]:
         ax.set_ylabel("relative Frobenius error vs exact ALiBi")
     axes[0][0].legend(fontsize=6, loc="lower left")
-    fig.suptitle("Positional LSH vs exact ALiBi cut at a window (means over heads, inputs, draws)")
+    fig.suptitle(textwrap.fill(TITLE, width=max(30, int(8.5 * width))))    # ~8.5 characters per inch at 12 pt
     fig.tight_layout()
-    atomic_savefig(fig, Path(path), dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return fig

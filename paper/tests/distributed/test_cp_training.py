@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from poslsh_paper.cli import parse  # noqa: E402
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
-from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params  # noqa: E402
+from poslsh_paper.experiments.checkpoints import load_checkpoint_params  # noqa: E402
 from poslsh_paper.experiments.lm.commands import COMMANDS  # noqa: E402
 from poslsh_paper.experiments.lm.config import check, get_preset, run_dir  # noqa: E402
 from poslsh_paper.experiments.lm.loop import train  # noqa: E402

@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 
 from poslsh_paper.cli import main  # noqa: E402
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
-from poslsh_paper.experiments.lm import checkpoint as ckmod  # noqa: E402
-from poslsh_paper.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint  # noqa: E402
+from poslsh_paper.experiments import checkpoints as ckmod  # noqa: E402
+from poslsh_paper.experiments.checkpoints import checkpoint_problem, latest_checkpoint  # noqa: E402
 from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
 from poslsh_paper.experiments.lm.loop import train  # noqa: E402
 from poslsh_paper.experiments.serialize import config_to_dict  # noqa: E402

@@ -192,6 +192,34 @@ def test_presets():
     assert full.unit_fingerprint(1024, 6) != full.unit_fingerprint(1024, 5)
 
 
+@pytest.mark.parametrize("lengths", [(256,), (1024, 4096, 16384)], ids=["one column (--quick)", "three columns"])
+def test_figure_title_fits_and_every_axis_has_numbers(lengths):
+    """The --quick figure (one length: keys 25-70, CPU times 0.02-0.04 s, each inside one decade)
+    had its title cut at both sides and no number on either x axis."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from poslsh_paper.experiments import frontier_table
+
+    report = {"config": {"lengths": list(lengths), "samplers": ["iid"], "hybrid_shares": [0.5]}}
+    rows = [{"n": n, "source": "layer 2", "family": fam, "label": f"{fam} s={s}", "keys": keys * (1 + i / 10),
+             "relf": 0.9 / (1 + j) ** (1 + i), "seconds": 0.021 + 0.006 * j + 0.001 * i, "time_note": ""}
+            for n in lengths for i, fam in enumerate(("iid", "grouped")) for j, (s, keys) in
+            enumerate(((1, 25.0), (5, 45.0), (20, 64.0)))]
+    fig = frontier_table.figure(report, rows)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        title, page = fig._suptitle.get_window_extent(renderer), fig.bbox
+        assert page.x0 <= title.x0 and title.x1 <= page.x1 and title.y1 <= page.y1, (title, page)
+        for ax in fig.axes:
+            lo, hi = sorted(ax.get_xlim())
+            shown = [t.get_text() for t in ax.get_xticklabels() + ax.get_xticklabels(minor=True)
+                     if t.get_text() and lo <= t.get_position()[0] <= hi]
+            assert len(shown) >= 2, (ax.get_xlabel(), shown)
+    finally:
+        plt.close(fig)
+
+
 # ------------------------------------------------------------- real Q/K/V (slow)
 def _real_or_skip(n, layer):
     from poslsh_paper.analysis.qkv import real_qkv_or_none

@@ -15,8 +15,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
+from poslsh_paper.experiments import sweep  # noqa: E402
 from poslsh_paper.experiments.lm import table  # noqa: E402
-from poslsh_paper.experiments.lm.checkpoint import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
+from poslsh_paper.experiments.checkpoints import checkpoint_problem, latest_checkpoint, run_lock  # noqa: E402
 from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
 from poslsh_paper.experiments.lm.loop import train  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_checkpoint_without_manifest_is_incomplete(tmp_path):
     ck = run_dir(cfg) / "checkpoints" / "step-00000003"
     (ck / "manifest.json").unlink()
     assert "no manifest.json" in checkpoint_problem(ck)
-    from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params
+    from poslsh_paper.experiments.checkpoints import load_checkpoint_params
     with pytest.raises(ConfigError, match="older layout.*--resume"):       # the files are there: adoptable
         load_checkpoint_params(ck)
     (ck / "optimizer.safetensors").unlink()
@@ -83,6 +84,35 @@ def test_table_uses_only_runs_of_its_config(tmp_path, capsys):
     assert "left out of the table: 1 run" in err and "steps 4 (table: 3)" in err and "--overwrite" in err
     md = (tmp_path / "results" / cfg.preset / "table.md").read_text()
     assert "| ALiBi | 1 |" in md
+    # the table says so itself, one line per run (the stderr lines scroll away under training output)
+    left = [line for line in md.splitlines() if line.startswith("- ") and "result.json" in line]
+    assert "**Left out:** 1 run(s)" in md and "--overwrite" in md
+    assert left == [f"- {run_dir(replace(cfg, seed=1)) / 'result.json'}: trained with steps 4 (table: 3)"]
+    table_json = json.loads((tmp_path / "results" / cfg.preset / "table.json").read_text())
+    assert table_json["meta"]["left_out"] == [left[0][2:]]
+
+
+def test_table_of_only_other_config_runs_says_so_and_never_prints_an_older_table(tmp_path, capsys):
+    """An earlier 10-step table, then the table of the preset's steps over the same runs: every
+    run is left out; the earlier table.md must not be printed as this table's."""
+    from poslsh_paper.cli import main
+    from poslsh_paper.experiments.serialize import config_to_dict
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=3, methods=("alibi",), seeds=(0,))
+    train(replace(cfg, steps=4), progress=False, evaluate=True)
+    out = tmp_path / "results"
+    table.run_table(replace(cfg, steps=4), ["alibi"], [0], out, progress=False, train_missing=False,
+                    command="the earlier table")
+    assert "the earlier table" in (out / cfg.preset / "table.md").read_text()
+    capsys.readouterr()
+    request = tmp_path / "table.json"
+    request.write_text(json.dumps(config_to_dict(cfg)))
+    assert main(["table", "--config-json", str(request), "--out", str(out), "--no-progress"]) == 2
+    got = capsys.readouterr()
+    print(got.err)
+    assert "the earlier table" not in got.out and "Length extrapolation" not in got.out
+    last = got.err.strip().splitlines()[-1]
+    assert "no table was written" in last and "--overwrite" in last
+    assert "steps 4 (table: 3)" in got.err                              # which run, and why
 
 
 def test_table_includes_earlier_runs_only_of_the_same_setup(tmp_path, capsys):
@@ -143,7 +173,7 @@ def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
     """A table's Ctrl-C/SIGTERM must reach every child, even those started by a table that a
     script put in the background (they inherit SIGINT ignored): the children get SIGTERM."""
     import threading
-    children, codes = table._Children(), []
+    children, codes = sweep.Children(), []
     child = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
              "print('ready', flush=True); time.sleep(120)"]
     log = tmp_path / "child.log"
@@ -157,3 +187,17 @@ def test_table_interrupt_stops_children_that_ignore_sigint(tmp_path):
     print("child exit", codes)
     assert codes == [-signal.SIGTERM]
     assert children.run(child, log, dict(os.environ)) is None       # nothing starts after an interrupt
+
+
+def test_table_with_jobs_trains_each_run_in_a_worker(tmp_path, monkeypatch):
+    """``poslsh table --jobs 2``: every missing run in a ``poslsh train --resume`` subprocess (the
+    sweep runner's), its requested config and log in its run directory, then the table."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), str(REPO / "paper"),
+                                                                 os.environ.get("PYTHONPATH", "")) if p))
+    cfg = tiny_cfg(tmp_path, method="alibi", steps=2, methods=("alibi", "poslsh-s2"), seeds=(0,))
+    results = table.run_table(cfg, ["alibi", "poslsh-s2"], [0], tmp_path / "results", progress=False, jobs=2)
+    assert sorted(r["method"] for r in results) == ["alibi", "poslsh-s2"]
+    for m in ("alibi", "poslsh-s2"):
+        d = run_dir(replace(cfg, method=m, seed=0))
+        assert (d / "requested-config.json").is_file() and (d / "train.log").is_file()
+    assert (tmp_path / "results" / cfg.preset / "table.md").is_file()

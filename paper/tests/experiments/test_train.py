@@ -23,7 +23,8 @@ from poslsh_paper.data.corpus import available_corpora  # noqa: E402
 from poslsh_paper.data.tokens import DataConfig, batch_windows, load_token_data  # noqa: E402
 from poslsh_paper.experiments.lm import table  # noqa: E402
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
-from poslsh_paper.experiments.lm.checkpoint import load_checkpoint_params, resolve_checkpoint  # noqa: E402
+from poslsh_paper.experiments.checkpoints import load_checkpoint_params  # noqa: E402
+from poslsh_paper.experiments.lm.checkpoint import resolve_checkpoint  # noqa: E402
 from poslsh_paper.experiments.lm.commands import COMMANDS  # noqa: E402
 from poslsh_paper.experiments.lm.config import PRESETS, TrainConfig, get_preset, parse_method, run_dir  # noqa: E402
 from poslsh_paper.experiments.lm.evaluation import eval_windows  # noqa: E402

@@ -132,3 +132,51 @@ def test_bad_config_is_one_line(tmp_path, capsys, flag, value, match):
     code = cli.main(["vision", flag, value, "--runs-dir", str(tmp_path / "r"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and match in err and err.count("\n") == 1
+
+
+def test_parallel_runs_train_in_worker_processes(tmp_path, monkeypatch):
+    """``--jobs 2``: each run in a worker subprocess (the sweep runner's), logs in its run
+    directory, the same table rows as runs trained here."""
+    import os
+    from pathlib import Path
+
+    from poslsh_paper.experiments.vision import table as vtable
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(repo), str(repo / "paper"),
+                                                                 os.environ.get("PYTHONPATH", "")) if p))
+    cfg = tiny(tmp_path, methods=("learned", "poslsh-s2"), seeds=(0,))
+    lines = []
+    vtable.run_all(cfg, jobs=2, progress=lines.append)
+    print("\n".join(lines))
+    for m in cfg.methods:
+        d = vcfg.run_dir(cfg, m, 0)
+        assert (d / vtrain.RESULT).is_file() and "acc@1x" in (d / "train.log").read_text()
+    assert sum(line.startswith("[done]") for line in lines) == 2 and any("acc@2x" in line for line in lines)
+    assert {r["method"] for r in vtable.collect(cfg)} == set(cfg.methods)
+
+
+def _rows(methods, seeds, accs):
+    """Table rows of ``methods`` at 1x / 2x / 2x-scaled (``accs[method] = (1x, 2x, 2x-scaled)``)."""
+    rows = []
+    for m in methods:
+        for key, acc in zip(("1x", "2x", "2x-scaled"), accs[m]):
+            if acc is not None:
+                rows.append({"method": m, "scale": key, "seeds": seeds, "acc_mean": acc, "acc_std": 1.0})
+    return rows
+
+
+def test_findings_name_only_what_was_trained_and_one_seed_establishes_nothing():
+    """``poslsh vision --quick`` (learned and 2-D PosLSH s=2, one seed, near chance) said
+    '2-D ALiBi and 2-D PosLSH extrapolate ... better than learned positions: holds' twice."""
+    from poslsh_paper.experiments.vision.findings import ONE_SEED, findings
+    accs = {"learned": (21.1, 12.5, None), "poslsh-s2": (31.2, 14.8, 16.4)}
+    one = findings(_rows(("learned", "poslsh-s2"), 1, accs))
+    print("\n".join(one))
+    assert len(one) == 2
+    for line in one:
+        assert "ALiBi" not in line and line.startswith("2-D PosLSH extrapolates")
+        assert line.endswith(f"holds on its one seed, {ONE_SEED}.")
+    three = findings(_rows(("learned", "poslsh-s2"), 3, accs))
+    assert [line.endswith("): holds.") for line in three] == [True, True]
+    assert findings(_rows(("learned", "alibi-2d", "poslsh-s2"), 3, {**accs, "alibi-2d": (40.0, 30.0, 35.0)}))[0] \
+        .startswith("2-D ALiBi and 2-D PosLSH extrapolate")

@@ -8,11 +8,12 @@ Each module owns one thing; imports point one way (config <- model, checkpoint
 * :mod:`.config`: ``TrainConfig``/``ModelConfig``, the presets, methods, the
   command configs (run options that are not saved with a run), the checks;
 * :mod:`.model`: the model of a method (scratch Qwen3-style or LoRA), DDP facts, data;
-* :mod:`.checkpoint`: safetensors checkpoints written atomically, resolving ``--checkpoint``;
+* :mod:`.checkpoint`: the LM rules on the shared checkpoints (:mod:`poslsh_paper.experiments.checkpoints`):
+  foreign checkpoints, strict loading's message, resolving ``--checkpoint``;
 * :mod:`.loop`: ``train``: optimizer, HF's linear LR schedule, resume, steps, ETA;
 * :mod:`.evaluation`: perplexity and accuracy at 1x, 2x, 4x the training length;
 * :mod:`.findings`: the paper's claims (Table 1's from scratch, Table 2's fine-tuned) checked;
-* :mod:`.table`: aggregation over seeds, rendering, parallel runs, dry run;
+* :mod:`.table`: the table's sweep (:mod:`poslsh_paper.experiments.sweep`), aggregation over seeds, rendering, dry run;
 * :mod:`.commands`: the ``train``, ``eval`` and ``table`` CLI commands.
 """
 import importlib

@@ -191,8 +191,14 @@ def table_main(cmd: TableCommand) -> int:
         dry_run(cfg, cfg.methods, jobs=cmd.jobs)
         return 0
     command = "poslsh " + shlex.join(sys.argv[1:])
-    run_table(cfg, cfg.methods, cfg.seeds, Path(cmd.out), progress=cmd.progress, command=command,
-              train_missing=not cmd.aggregate_only, jobs=cmd.jobs, include=Path(cmd.include_runs) if cmd.include_runs else None)
+    results = run_table(cfg, cfg.methods, cfg.seeds, Path(cmd.out), progress=cmd.progress, command=command,
+                        train_missing=not cmd.aggregate_only, jobs=cmd.jobs,
+                        include=Path(cmd.include_runs) if cmd.include_runs else None)
+    if not results:     # an older table.md there is another table's: never print it as this one
+        todo = "train them (without --aggregate-only)" if cmd.aggregate_only else \
+            "retrain those listed above with `poslsh train ... --overwrite`, or point --runs-dir elsewhere"
+        raise ConfigError(f"table: none of the {len(cfg.methods) * len(cfg.seeds)} runs of this table has a result "
+                          f"of its config, so no table was written to {out}: {todo}")
     if _rank0() and (out / "table.md").is_file():
         print((out / "table.md").read_text())
     return 0

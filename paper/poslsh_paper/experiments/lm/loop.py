@@ -37,8 +37,9 @@ from poslsh.seeding import stable_seed
 from poslsh.threads import intra_op_threads
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.serialize import config_to_dict
-from poslsh_paper.experiments.lm.checkpoint import (latest_checkpoint, load_checkpoint, prepare_resume,
-                                                    recorded_config, run_lock, save_checkpoint)
+from poslsh_paper.experiments.checkpoints import (latest_checkpoint, load_checkpoint, recorded_config, run_lock,
+                                                 save_checkpoint)
+from poslsh_paper.experiments.lm.checkpoint import prepare_resume
 from poslsh_paper.experiments.lm.config import (TrainConfig, check, config_differences, describe_differences,
                                                 experiment_config, run_dir)
 from poslsh_paper.experiments.paths import remove_run

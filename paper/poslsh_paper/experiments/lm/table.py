@@ -1,7 +1,7 @@
 """The length-extrapolation table: every method x seed of a preset, aggregated.
 
 :func:`run_table` trains each missing run (resuming interrupted ones; in parallel
-subprocesses with ``jobs > 1``), then writes ``<results>/<preset>/table.md``,
+subprocesses with ``jobs > 1``; the runner is :mod:`poslsh_paper.experiments.sweep`), then writes ``<results>/<preset>/table.md``,
 ``table.csv`` and ``table.json``: mean +- sample std over seeds per method and
 length, and the paper's claims checked against the numbers (:func:`findings`). A packed
 table may hold unpacked runs of the same set-up beside its own (``--include-runs``, see
@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from poslsh_paper.io import atomic_write_text, csv_text, markdown_table
 from poslsh.threads import intra_op_threads
+from poslsh_paper.io import atomic_write_text, markdown_table
 from poslsh_paper.experiments.serialize import config_to_dict
+from poslsh_paper.experiments.sweep import (Cell, Launch, Sweep, mean_std, read_json, threads_per_job, train_all,
+                                            write_table_files)
 from poslsh_paper.experiments.lm.config import (TrainConfig, config_differences, describe_differences, layout_name,
                                                 method_label, run_dir)
 from poslsh_paper.experiments.lm.include import describe, include_runs, included_note
@@ -36,17 +34,17 @@ from poslsh_paper.experiments.lm.findings import findings, get, lengths_of
 from poslsh_paper.experiments.lm.loop import estimate_minutes, train
 from poslsh_paper.experiments.lm.model import build_model
 
-__all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "train_parallel", "dry_run",
+__all__ = ["aggregate", "findings", "render_markdown", "write_table", "run_table", "table_sweep", "dry_run",
            "table_dir", "describe"]
+
+# Why a run of the grid is not in the table, and what to do (the list of runs follows).
+LEFT_OUT = ("{n} run(s) of this table's methods and seeds were trained with another config than this table's and are "
+            "not in it (retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere)")
 
 CSV_FIELDS = ["method", "label", "pack", "length", "context", "seeds", "ppl_mean", "ppl_std", "acc_mean", "acc_std"]
 
 
 # ----------------------------------------------------------------- aggregation
-def _mean_std(xs: List[float]):
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
     """One row per (method, packing, length) of the runs' ``result.json``: mean and sample std
     over seeds. A run without ``pack`` (made before packing existed) was not packed; packed rows
@@ -60,8 +58,8 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
                 continue
             label = method_label(m) + (", packed" if pack and both else ", unpacked" if both else "")
             for k in runs[0]["eval"]:
-                ppl, ppl_sd = _mean_std([r["eval"][k]["ppl"] for r in runs])
-                acc, acc_sd = _mean_std([r["eval"][k]["acc"] for r in runs])
+                ppl, ppl_sd = mean_std([r["eval"][k]["ppl"] for r in runs])
+                acc, acc_sd = mean_std([r["eval"][k]["acc"] for r in runs])
                 rows.append({"method": m, "label": label, "pack": pack, "length": k,
                              "context": runs[0]["eval"][k]["context"], "seeds": len(runs), "ppl_mean": ppl,
                              "ppl_std": ppl_sd, "acc_mean": acc, "acc_std": acc_sd,
@@ -96,6 +94,9 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
     for key in ("command", "included", "setup", "evaluation"):
         if meta.get(key):
             lines += [f"**{key.capitalize()}:** {meta[key]}", ""]
+    if meta.get("left_out"):
+        lines += [f"**Left out:** {LEFT_OUT.format(n=len(meta['left_out']))}", ""]
+        lines += [f"- {line}" for line in meta["left_out"]] + [""]
     lines += [markdown_table(head, body), "",
               "Mean ± sample standard deviation over the seeds counted in the Seeds column.", ""]
     found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")), pack=meta.get("pack"))
@@ -107,12 +108,10 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
 def write_table(results: List[dict], methods: Sequence[str], out_dir: Path, meta: dict) -> List[dict]:
     """Write ``table.md``, ``table.csv`` and ``table.json`` under ``out_dir`` atomically."""
     rows = aggregate(results, methods)
-    atomic_write_text(out_dir / "table.csv", csv_text(rows, CSV_FIELDS))
     slim = [{k: v for k, v in r.items() if k != "config"} for r in results]
     found = findings(rows, fine_tuned=bool(meta.get("fine_tuned")), pack=meta.get("pack"))
-    atomic_write_text(out_dir / "table.json", json.dumps({"meta": meta, "rows": rows, "findings": found, "runs": slim},
-                                                         indent=1))
-    atomic_write_text(out_dir / "table.md", render_markdown(rows, meta))
+    write_table_files(out_dir, render_markdown(rows, meta), rows, CSV_FIELDS,
+                      {"meta": meta, "rows": rows, "findings": found, "runs": slim})
     return rows
 
 
@@ -129,64 +128,55 @@ def _vs_table(diff: dict) -> str:
     return describe_differences({k: (b, a) for k, (a, b) in diff.items()}, "table:")
 
 
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+def _refuse(cfg: TrainConfig) -> Callable[[Cell, Optional[dict], bool], Optional[str]]:
+    """The table's rule: a run recorded with another config than ``cfg`` (fields that change
+    results) is neither resumed nor mixed in; a finished run without a recorded config neither."""
+    def refuse(cell: Cell, recorded: Optional[dict], finished: bool) -> Optional[str]:
+        run = replace(cfg, method=cell[0], seed=cell[1])
+        if not finished:
+            diff = config_differences(run, recorded) if recorded is not None else {}
+            return f"{run_dir(run)}: unfinished, started with {_vs_table(diff)}" if diff else None
+        diff = config_differences(run, (recorded or {}).get("config") or {})
+        if diff or not (recorded or {}).get("config"):
+            return f"{run_dir(run) / 'result.json'}: trained with {_vs_table(diff) or 'no recorded config'}"
         return None
+    return refuse
+
+
+def table_sweep(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int]) -> Sweep:
+    """The table's grid: ``methods`` x ``seeds`` of ``cfg``, results in ``<run dir>/result.json``."""
+    return Sweep(methods, seeds, lambda m, s: run_dir(replace(cfg, method=m, seed=s)) / "result.json", _refuse(cfg))
 
 
 def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], results_dir: Path, *,
               progress: bool = True, command: str = "", train_missing: bool = True, jobs: int = 1,
               include: Optional[Path] = None) -> List[dict]:
     """Train (or resume) every missing method x seed run, ``jobs`` at a time, then write the
-    table. Returns the runs' results (those with a ``result.json``). ``include``: an earlier
+    table. Returns the runs' results (those with a ``result.json``; none: no table is written).
+    A run of the grid recorded with another config is neither resumed nor retrained over: it is
+    left out, said on stderr and in the table, one line each (which run, what differs). ``include``: an earlier
     ``table.json`` whose runs stand in for the method x seed runs that have no run directory
     here (nothing is retrained for them; the table says which rows came from it); its runs of
     the other packing are shown beside this table's (:func:`.include.include_runs`)."""
-    runs = [replace(cfg, method=m, seed=s) for m in methods for s in seeds]
-    pairs = [(m, s) for m in methods for s in seeds]
+    sweep = table_sweep(cfg, methods, seeds)
     inc = None
     if include:
-        files = {(r.method, r.seed): run_dir(r) / "result.json" for r in runs}
-        here = [p for p in pairs if files[p].exists()]
-        local = [r for r in (_read_json(files[p]) for p in here) if r]
-        inc = include_runs(include, cfg, [p for p in pairs if p not in here], pairs, local)
-    earlier = inc.same if inc else []
-    taken = {(r["method"], r["seed"]) for r in earlier}
-    # Seed-major training order: a table cut short still has every method at the first seeds.
-    todo = [replace(cfg, method=m, seed=s) for s in seeds for m in methods]
-    todo = [r for r in todo if not (run_dir(r) / "result.json").exists() and (r.method, r.seed) not in taken]
-    others = []
-    for r in list(todo):    # an unfinished run of another configuration is neither resumed nor mixed in
-        recorded = _read_json(run_dir(r) / "config.json")
-        diff = config_differences(r, recorded) if recorded is not None else {}
-        if diff:
-            todo.remove(r)
-            others.append(f"{run_dir(r)}: unfinished, started with {_vs_table(diff)}")
+        here = sweep.finished()
+        local = [r for r in (read_json(sweep.result_path(*c)) for c in here) if r]
+        inc = include_runs(include, cfg, [c for c in sweep.cells() if c not in here], sweep.cells(), local)
+    earlier: Dict[Cell, List[dict]] = {}
+    for r in inc.same if inc else []:
+        earlier.setdefault((r["method"], r["seed"]), []).append(r)
+    todo, others = sweep.pending(taken=earlier)
     if train_missing and todo:
-        if jobs > 1:
-            train_parallel(todo, jobs)
-        else:
-            for r in todo:
-                train(r, resume=True, progress=progress)
-    results = []
-    for r in runs:
-        path = run_dir(r) / "result.json"
-        if not path.exists():
-            results += [e for e in earlier if (e["method"], e["seed"]) == (r.method, r.seed)]
-            continue
-        result = json.loads(path.read_text())
-        diff = config_differences(r, result.get("config") or {})
-        if diff or not result.get("config"):
-            others.append(f"{path}: trained with {_vs_table(diff) or 'no recorded config'}")
-        else:
-            results.append(result)
-    results += inc.other if inc else []
+        train_all(todo, jobs, lambda c: train(replace(cfg, method=c[0], seed=c[1]), resume=True, progress=progress),
+                  lambda c, threads: _launch(replace(cfg, method=c[0], seed=c[1]), threads))
+    got = sweep.collect(stand_ins=earlier)
+    results, others = got.results + (inc.other if inc else []), others + got.left_out
     if others and int(os.environ.get("RANK", "0")) == 0:
         print(f"left out of the table: {len(others)} run(s) trained with another config than this table's "
               "(retrain them with `poslsh train ... --overwrite`, or point --runs-dir elsewhere):\n  "
-              + "\n  ".join(others), file=sys.stderr)
+              + "\n  ".join(others), file=sys.stderr)      # said again in the table: this scrolls away
     if int(os.environ.get("RANK", "0")) == 0 and results:
         title = ("Length extrapolation, trained from scratch (Table 1 analog)" if cfg.model.kind == "scratch"
                  else "Length extrapolation, LoRA fine-tuning (Table 2 analog)")
@@ -195,77 +185,21 @@ def run_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], re
                 "fine_tuned": cfg.model.kind != "scratch", "pack": cfg.pack, **describe(cfg, results)}
         if inc and (inc.same or inc.other):
             meta["included"] = included_note(inc, include, cfg.pack)
+        if others:
+            meta["left_out"] = others
         write_table(results, list(methods), table_dir(Path(results_dir), cfg), meta)
     return results
 
 
-class _Children:
-    """The running ``poslsh train`` subprocesses, so Ctrl-C can reach each one exactly once."""
-
-    def __init__(self):
-        self.lock, self.procs, self.stopped = threading.Lock(), set(), False
-
-    def run(self, cmd: List[str], log_path: Path, env: dict) -> Optional[int]:
-        """Run ``cmd`` to the end with its output in ``log_path``; None if stopped before it started."""
-        with open(log_path, "a") as log:
-            with self.lock:
-                if self.stopped:
-                    return None
-                # Own session: a terminal's Ctrl-C reaches the parent only, which forwards it once.
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                self.procs.add(proc)
-            try:
-                return proc.wait()
-            finally:
-                with self.lock:
-                    self.procs.discard(proc)
-
-    def interrupt(self) -> None:
-        """SIGTERM to every child: each saves a checkpoint and exits; start no more. (Not
-        SIGINT: children of a table started in the background by a script ignore it.)"""
-        with self.lock:
-            self.stopped = True
-            for proc in self.procs:
-                proc.send_signal(signal.SIGTERM)
-
-
-def train_parallel(cfgs: Sequence[TrainConfig], jobs: int) -> None:
-    """``python -m poslsh_paper train --resume`` for each config in a subprocess, ``jobs`` at a time,
-    each with ``cpu_count // jobs`` threads (independent small runs scale better than threads
-    do). Logs go to ``<run dir>/train.log``; Ctrl-C or SIGTERM makes every child checkpoint and stop."""
-    from tqdm.auto import tqdm
-
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    children, failed = _Children(), []
-
-    def run_one(c: TrainConfig) -> Optional[int]:
-        c = c if c.threads else replace(c, threads=threads)
-        d = run_dir(c)
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(d / "requested-config.json", json.dumps(config_to_dict(c), indent=1))
-        cmd = [sys.executable, "-m", "poslsh_paper", "train", "--config-json", str(d / "requested-config.json"),
-               "--resume", "--no-progress"]
-        tqdm.write(f"[start] {c.method} seed {c.seed}: log {d / 'train.log'}")
-        return children.run(cmd, d / "train.log", {**os.environ, "OMP_NUM_THREADS": str(c.threads)})
-
-    bar = tqdm(total=len(cfgs), desc=f"runs ({jobs} in parallel)", unit="run")
-    pool = ThreadPoolExecutor(max_workers=jobs)
-    try:
-        futures = {pool.submit(run_one, c): c for c in cfgs}
-        for fut in as_completed(futures):
-            c, rc = futures[fut], fut.result()
-            bar.update(1)
-            tqdm.write(f"[{'done' if rc == 0 else 'FAILED'}] {c.method} seed {c.seed}")
-            if rc:
-                failed.append(f"{c.method} seed {c.seed} (exit {rc}, see {run_dir(c) / 'train.log'})")
-    except KeyboardInterrupt:
-        children.interrupt()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)   # after an interrupt: wait for the checkpoints
-        bar.close()
-    if failed:
-        raise RuntimeError("runs failed: " + "; ".join(failed))
+def _launch(c: TrainConfig, threads: int) -> Launch:
+    """``python -m poslsh_paper train --resume`` of one run, its requested config in its run directory."""
+    c = c if c.threads else replace(c, threads=threads)
+    d = run_dir(c)
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(d / "requested-config.json", json.dumps(config_to_dict(c), indent=1))
+    cmd = [sys.executable, "-m", "poslsh_paper", "train", "--config-json", str(d / "requested-config.json"),
+           "--resume", "--no-progress"]
+    return Launch(f"{c.method} seed {c.seed}", cmd, d / "train.log", {**os.environ, "OMP_NUM_THREADS": str(c.threads)})
 
 
 def dry_run(cfg: TrainConfig, methods: Sequence[str], steps: int = 3, jobs: int = 1) -> float:
@@ -274,7 +208,7 @@ def dry_run(cfg: TrainConfig, methods: Sequence[str], steps: int = 3, jobs: int 
     spec = cfg.data.tokenizer
     vocab = int(spec[4:]) if spec.startswith("bpe:") else 49152
     total = 0.0
-    with intra_op_threads(cfg.threads or max(1, (os.cpu_count() or 1) // jobs)):
+    with intra_op_threads(threads_per_job(jobs, cfg.threads)):
         for method in methods:
             run_cfg = replace(cfg, method=method)
             model = build_model(run_cfg, vocab)

@@ -3,7 +3,8 @@
 * :mod:`.config`: ``VisionConfig`` / ``ViTConfig``, methods, presets (``smoke``, ``cpu``);
 * :mod:`.model`: a small ViT whose attention carries one positional method;
 * :mod:`.train`: one run (resumable safetensors checkpoints), evaluation at 1x and 2x resolution;
-* :mod:`.table`: every method x seed (parallel processes), aggregation, findings;
+* :mod:`.findings`: the paper-style claims, only of the methods trained, none established by one seed;
+* :mod:`.table`: every method x seed (the sweep runner, :mod:`poslsh_paper.experiments.sweep`), aggregation;
 * :mod:`.figure`: the 2-D Figure-2 analog on a trained model's patch Q/K/V;
 * :mod:`.commands`: the CLI command.
 """

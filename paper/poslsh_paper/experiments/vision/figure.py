@@ -22,7 +22,7 @@ from poslsh_paper.io import atomic_savefig, atomic_write_json
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd
 from poslsh.reference import alibi_attention_nd, alibi_matrix_nd
 from poslsh.seeding import stable_seed
-from poslsh_paper.experiments.lm.checkpoint import latest_checkpoint, load_checkpoint_params
+from poslsh_paper.experiments.checkpoints import latest_checkpoint, load_checkpoint_params
 from poslsh_paper.experiments.vision.config import VisionConfig, head_sigmas, run_dir
 from poslsh_paper.experiments.vision.train import build_model, load_splits
 

@@ -1,76 +1,67 @@
-"""The vision table: every method x seed, trained (resuming) in parallel processes, aggregated.
+"""The vision table: every method x seed, trained (resuming; in parallel worker processes with
+``jobs > 1``, by :mod:`poslsh_paper.experiments.sweep`), aggregated.
 
 Writes ``table.md``, ``table.csv`` and ``table.json`` (mean +- sample std over seeds of the test
-accuracy at each resolution) with the paper-style findings checked against the numbers.
+accuracy at each resolution) with the paper-style findings checked against the numbers
+(:mod:`.findings`).
 """
 from __future__ import annotations
 
-import math
-import multiprocessing
+import json
 import os
 import statistics
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from poslsh_paper.io import atomic_write_json, atomic_write_text, csv_text, markdown_table
+from poslsh_paper.io import atomic_write_text, markdown_table
 from poslsh_paper.experiments.serialize import config_to_dict
+from poslsh_paper.experiments.sweep import Launch, Sweep, mean_std, train_all, write_table_files
 from poslsh_paper.experiments.vision.config import VisionConfig, head_sigmas, method_label, run_dir
-from poslsh_paper.experiments.vision.train import RESULT, load_splits, train_run
+from poslsh_paper.experiments.vision.findings import findings, scale_order
+from poslsh_paper.experiments.vision.train import RESULT, load_splits, result_line, train_run
 
-__all__ = ["run_all", "collect", "aggregate", "findings", "render_markdown", "write_table"]
+__all__ = ["vision_sweep", "run_all", "collect", "aggregate", "findings", "render_markdown", "write_table"]
 
 CSV_FIELDS = ["method", "label", "scale", "pixels", "grid", "seeds", "acc_mean", "acc_std", "train_cpu_s_mean"]
 
 
-def _run_one(cfg_dict: dict, method: str, seed: int) -> str:
-    """Worker entry (a fresh process): train one run; returns a progress line."""
-    from poslsh_paper.experiments.serialize import config_from_dict
-    cfg = config_from_dict(VisionConfig, cfg_dict)
-    r = train_run(cfg, method, seed)
-    return f"{method} seed{seed}: " + ", ".join(f"acc@{k} {v['acc']:.2f}%" for k, v in r["eval"].items())
+def vision_sweep(cfg: VisionConfig) -> Sweep:
+    """The table's grid: ``cfg.methods`` x ``cfg.seeds``. A run directory is named by the fingerprint
+    of its config (a changed config is a new directory), so every result found is this table's."""
+    return Sweep(cfg.methods, cfg.seeds, lambda m, s: run_dir(cfg, m, s) / RESULT)
+
+
+def _launch(cfg: VisionConfig, method: str, seed: int, threads: int) -> Launch:
+    """A worker subprocess training one run (:func:`.train.main`), its config in its run directory."""
+    d = run_dir(cfg, method, seed)
+    d.mkdir(parents=True, exist_ok=True)
+    request = d / "requested-config.json"
+    atomic_write_text(request, json.dumps(config_to_dict(replace(cfg, threads=threads)), indent=1))
+    cmd = [sys.executable, "-m", "poslsh_paper.experiments.vision.train", str(request), method, str(seed)]
+    return Launch(f"{method} seed {seed}", cmd, d / "train.log", {**os.environ, "OMP_NUM_THREADS": str(threads)},
+                  summary=lambda: result_line(json.loads((d / RESULT).read_text())))
 
 
 def run_all(cfg: VisionConfig, *, jobs: int = 1, progress: Optional[Callable[[str], None]] = None) -> None:
     """Train every missing ``methods x seeds`` run of ``cfg`` (interrupted ones resume from their newest
-    checkpoint); ``jobs > 1`` runs that many processes with ``cores // jobs`` threads each."""
-    todo = [(m, s) for s in cfg.seeds for m in cfg.methods if not (run_dir(cfg, m, s) / RESULT).is_file()]
+    checkpoint); ``jobs > 1`` runs that many worker processes with ``cores // jobs`` threads each."""
+    todo, _ = vision_sweep(cfg).pending()
     if progress:
         progress(f"{len(todo)} of {len(cfg.methods) * len(cfg.seeds)} runs to train ({jobs} at a time)")
     if not todo:
         return
-    if jobs <= 1:
-        splits = load_splits(cfg)
-        for m, s in todo:
-            train_run(cfg, m, s, splits=splits, progress=progress)
-        return
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // jobs)
-    payload = config_to_dict(replace(cfg, threads=threads))
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_run_one, payload, m, s) for m, s in todo]
-        for f in as_completed(futures):
-            line = f.result()
-            if progress:
-                progress(line)
+    splits = load_splits(cfg) if jobs <= 1 else None
+    train_all(todo, jobs, lambda c: train_run(cfg, c[0], c[1], splits=splits, progress=progress),
+              lambda c, threads: _launch(cfg, c[0], c[1], cfg.threads or threads), progress, quiet=progress is None)
 
 
 def collect(cfg: VisionConfig) -> List[dict]:
     """The finished runs' results of this config (other configs live in other directories)."""
-    import json
-    out = []
-    for m in cfg.methods:
-        for s in cfg.seeds:
-            path = run_dir(cfg, m, s) / RESULT
-            if path.is_file():
-                out.append(json.loads(path.read_text()))
-    return out
-
-
-def _mean_std(xs: Sequence[float]):
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return vision_sweep(cfg).collect().results
 
 
 def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
@@ -81,7 +72,7 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
         if not runs:
             continue
         for key, ev in runs[0]["eval"].items():
-            acc, sd = _mean_std([r["eval"][key]["acc"] for r in runs])
+            acc, sd = mean_std([r["eval"][key]["acc"] for r in runs])
             cpu = statistics.fmean(r.get("train_cpu_s", r["train_time_s"]) for r in runs)
             rows.append({"method": m, "label": method_label(m), "scale": key, "pixels": ev["pixels"],
                          "sigma_mult": ev.get("sigma_mult", 1),
@@ -90,75 +81,8 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
     return rows
 
 
-def _sem(rows, method, scale) -> float:
-    """Standard error of the mean accuracy over seeds."""
-    for r in rows:
-        if r["method"] == method and r["scale"] == scale:
-            return r["acc_std"] / math.sqrt(max(1, r["seeds"]))
-    return 0.0
-
-
-def _acc(rows, method, scale):
-    for r in rows:
-        if r["method"] == method and r["scale"] == scale:
-            return r["acc_mean"]
-    return None
-
-
-def _order(key: str):
-    """``"1x" < "2x" < "2x-scaled" < "4x"``."""
-    return int(key.split("x")[0]), key.endswith("-scaled")
-
-
-def findings(rows: List[dict]) -> List[str]:
-    """The paper-style claims, each with the numbers and 'holds' / 'does NOT hold'."""
-    ok = lambda c: "holds" if c else "does NOT hold"  # noqa: E731
-    scales = sorted({r["scale"] for r in rows}, key=_order)
-    if not scales:
-        return []
-    base, out = scales[0], []
-    lsh = sorted((int(r["method"][8:]), r["method"]) for r in rows if r["method"].startswith("poslsh-s")
-                 and r["scale"] == base)
-    alibi = _acc(rows, "alibi-2d", base)
-    if alibi is not None and len(lsh) > 1:
-        gaps = [alibi - _acc(rows, m, base) for _, m in lsh]
-        # Seed noise: the standard error of a difference of two means over the seeds.
-        se = [math.hypot(_sem(rows, a, base), _sem(rows, b, base)) for (_, a), (_, b) in zip(lsh, lsh[1:])]
-        se_ends = math.hypot(_sem(rows, lsh[0][1], base), _sem(rows, lsh[-1][1], base))
-        strict = all(b <= a for a, b in zip(gaps, gaps[1:]))
-        noisy = all(b - a < e for a, b, e in zip(gaps, gaps[1:], se)) and gaps[0] - gaps[-1] > 2 * se_ends
-        out.append(f"2-D PosLSH approaches exact 2-D ALiBi as s grows at {base} (accuracy gap to ALiBi: "
-                   f"{', '.join(f's={s}: {g:+.2f}' for (s, _), g in zip(lsh, gaps))} points): "
-                   f"{ok(noisy)} within seed noise (the gap at s={lsh[-1][0]} is below the gap at s={lsh[0][0]} by "
-                   f"{gaps[0] - gaps[-1]:.2f} > 2 SE = {2 * se_ends:.2f}, and no step up exceeds one SE of its "
-                   f"difference); strictly monotone: {'yes' if strict else 'no'}.")
-    for scale in [k for k in scales[1:] if not k.endswith("-scaled")]:
-        learned = _acc(rows, "learned", scale)
-        if learned is None:
-            continue
-        for key, how in ((scale, "sigma in patches, as trained"), (scale + "-scaled", "sigma and boxes scaled with "
-                                                                                      "the resolution")):
-            cands = [m for m in ["alibi-2d"] + [m for _, m in lsh] if _acc(rows, m, key) is not None]
-            if not cands:
-                continue
-            better = [m for m in cands if _acc(rows, m, key) > learned]
-            out.append(f"2-D ALiBi and 2-D PosLSH extrapolate to {scale} resolution better than learned positions "
-                       f"({how}; learned, resized bicubically: {learned:.2f}%; better: {', '.join(better) or 'none'} "
-                       f"of {', '.join(cands)}): {ok(len(better) == len(cands))}.")
-        for key in (scale, scale + "-scaled"):
-            a1, a2 = _acc(rows, "alibi-1d", key), _acc(rows, "alibi-2d", key)
-            if a1 is not None and a2 is not None:
-                out.append(f"2-D ALiBi beats 1-D raster ALiBi at {key} ({a2:.2f}% vs {a1:.2f}%): {ok(a2 > a1)}.")
-    fixed = _acc(rows, "fixed-boxes", base)
-    if fixed is not None and lsh:
-        beats = [s for s, m in lsh if _acc(rows, m, base) > fixed]
-        out.append(f"2-D PosLSH beats fixed 2-D boxes at {base} (fixed: {fixed:.2f}%; beaten by s in "
-                   f"{beats or 'none'}): {ok(len(beats) == len(lsh))}.")
-    return out
-
-
 def render_markdown(rows: List[dict], meta: dict) -> str:
-    scales = sorted({r["scale"] for r in rows}, key=_order)
+    scales = sorted({r["scale"] for r in rows}, key=scale_order)
     header = ["Method", "Seeds"]
     for s in scales:
         r = next(r for r in rows if r["scale"] == s)
@@ -184,10 +108,10 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
 
 def write_table(cfg: VisionConfig, out: Path, command: str, extra: Optional[Dict] = None) -> Path:
     """Aggregate the finished runs of ``cfg`` into ``out/table.{md,csv,json}`` (atomically)."""
-    results = collect(cfg)
+    got = vision_sweep(cfg).collect()
+    results = got.results
     rows = aggregate(results, cfg.methods)
-    done = {(r["method"], r["seed"]) for r in results}
-    missing = [f"{m}/seed{s}" for m in cfg.methods for s in cfg.seeds if (m, s) not in done]
+    missing = [f"{m}/seed{s}" for m, s in got.missing]
     m = cfg.model
     first = results[0] if results else {}
     setup = (f"ViT: {m.depth} blocks, width {m.dim}, {m.heads} heads (sigma = "
@@ -204,11 +128,8 @@ def write_table(cfg: VisionConfig, out: Path, command: str, extra: Optional[Dict
     meta = {"command": command, "data": first.get("data", cfg.dataset), "setup": setup, "findings": findings(rows),
             "cpu_s_all_runs": round(cpu, 1),
             "missing": missing, **(extra or {})}
-    out = Path(out)
-    atomic_write_text(out / "table.md", render_markdown(rows, meta))
-    atomic_write_text(out / "table.csv", csv_text(rows, CSV_FIELDS, float_format=".4f"))
-    atomic_write_json(out / "table.json", {"meta": meta, "rows": rows, "config": config_to_dict(cfg),
-                                           "runs": [{k: r[k] for k in ("method", "seed", "eval", "train_time_s",
-                                                                        "eval_time_s", "steps")} | {
-                                               "train_cpu_s": r.get("train_cpu_s")} for r in results]})
-    return out / "table.md"
+    runs = [{k: r[k] for k in ("method", "seed", "eval", "train_time_s", "eval_time_s", "steps")}
+            | {"train_cpu_s": r.get("train_cpu_s")} for r in results]
+    return write_table_files(Path(out), render_markdown(rows, meta), rows, CSV_FIELDS,
+                             {"meta": meta, "rows": rows, "config": config_to_dict(cfg), "runs": runs},
+                             float_format=".4f")

@@ -3,7 +3,7 @@
 Everything random is a function of ``(seed, step)``: the initialisation (``seed``), the order of
 epoch ``e`` (a permutation seeded by ``(seed, e)``) and the PosLSH boxes of step ``t`` and layer
 ``l`` (``(seed, t, l)``), so a resumed run repeats the uninterrupted one bit for bit. Checkpoints
-are safetensors, written atomically with a manifest (:mod:`poslsh_paper.experiments.lm.checkpoint`);
+are safetensors, written atomically with a manifest (:mod:`poslsh_paper.experiments.checkpoints`);
 ``result.json`` is written atomically at the end.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import json
 import math
 import sys
 import time
-from typing import Callable, Dict, Optional
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +22,13 @@ from poslsh_paper.data.images import ImageSet, load_images, subset, to_float, up
 from poslsh_paper.io import atomic_write_text
 from poslsh.seeding import stable_seed
 from poslsh.threads import intra_op_threads
-from poslsh_paper.experiments.lm.checkpoint import (latest_checkpoint, load_checkpoint, prepare_resume, run_lock,
-                                                    save_checkpoint)
+from poslsh_paper.experiments.checkpoints import (latest_checkpoint, load_checkpoint, prepare_resume, run_lock,
+                                                 save_checkpoint)
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.experiments.vision.config import VisionConfig, check, parse_method, run_dir
 from poslsh_paper.experiments.vision.model import ViT
 
-__all__ = ["load_splits", "build_model", "lr_at", "train_run", "evaluate", "RESULT"]
+__all__ = ["load_splits", "build_model", "lr_at", "train_run", "evaluate", "result_line", "main", "RESULT"]
 
 RESULT = "result.json"
 
@@ -165,5 +166,27 @@ def _train(cfg: VisionConfig, method: str, seed: int, splits: Dict[str, ImageSet
               "config": config_to_dict(cfg)}
     atomic_write_text(out / RESULT, json.dumps(result, indent=1))
     if progress:
-        progress(f"{method} seed{seed}: " + ", ".join(f"acc@{k} {v['acc']:.2f}%" for k, v in evals.items()))
+        progress(result_line(result))
     return result
+
+
+def result_line(result: dict) -> str:
+    """``poslsh-s2 seed0: acc@1x 81.25%, acc@2x 70.31%``: one finished run in one line."""
+    return f"{result['method']} seed{result['seed']}: " + ", ".join(f"acc@{k} {v['acc']:.2f}%"
+                                                                   for k, v in result["eval"].items())
+
+
+def main(argv: Sequence[str]) -> int:
+    """A sweep's worker (:func:`.table.run_all` with ``jobs > 1``): ``python -m
+    poslsh_paper.experiments.vision.train CONFIG.json METHOD SEED`` trains one run (resuming) and
+    prints its result line."""
+    from poslsh_paper.experiments.serialize import config_from_dict
+
+    path, method, seed = argv
+    cfg = config_from_dict(VisionConfig, json.loads(Path(path).read_text()))
+    print(result_line(train_run(cfg, method, int(seed))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
