@@ -10,6 +10,8 @@ Run from the repository root: ``python paper/measurements/smollm2_conversion.py`
 ``results/conversion/smollm2.json``.
 """
 import html
+import os
+import platform
 import json
 import re
 import sys
@@ -20,12 +22,17 @@ import torch
 from poslsh.integrations import hf
 from poslsh_paper.io import atomic_write_json
 from poslsh_paper.models.smollm2 import load_smollm2
-from poslsh_paper.timing import machine
 
 DOCS = Path("/usr/share/doc/python3.11/html/library")
 TOKENS = 1024
 PROMPT = "The Python standard library module os provides"
 SCHEMES = (("alibi", {}), ("alibi-window", {"window_cost_samples": 10}), ("poslsh", {"num_samples": 10}))
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}"
 
 
 def pages(tokenizer):
