@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import poslsh
-from poslsh.alibi import make_window
+from poslsh.window import make_window
 from poslsh.distributed import (comm_stats, context_parallel_attention, gather_layout, halo_exchange, key_ranges,
                                 shard_range)
 from poslsh_paper.io import atomic_write_json, markdown_table

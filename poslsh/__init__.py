@@ -1,7 +1,10 @@
 """poslsh: positional-LSH attention (Wolfson & Wagner), a near-linear approximation
 of ALiBi attention by random contiguous block masks."""
-from .alibi import AlibiWindow, alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes, make_window
-from .attention import available_backends, poslsh_attention, windowed_alibi_attention
+from .alibi import alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes
+from .attention import attend, available_backends, poslsh_attention, poslsh_attention_2d
+from .window import AlibiWindow, make_window, windowed_alibi_attention
+from . import alibi as _alibi, attention as _attention
+from ._compat import moved_names as _moved_names
 from .documents import Documents
 from .merge import merge_attention
 from .partitions import Blocks, Partitions, sample_partitions
@@ -9,7 +12,6 @@ from .reference import alibi_attention, poslsh_attention_reference
 from . import cost, theory
 from .modules import PartitionSchedule, PoslshAttention
 # N dimensions (paper section 5): 2-D ALiBi over image patches, other positional kernels
-from .attention_nd import poslsh_attention_2d
 from .widths import FixedWidth, GammaWidths
 from .partitions_nd import PartitionsND, expected_mask, grid_coords, sample_partitions_nd
 from .reference import alibi_attention_nd, alibi_bias_nd, alibi_matrix_nd, kernel_attention_nd, \
@@ -20,13 +22,19 @@ __version__ = "0.2.0"
 __all__ = [
     "alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "AlibiWindow", "make_window",
     "Partitions", "Blocks", "sample_partitions",
-    "alibi_attention", "poslsh_attention_reference", "poslsh_attention", "windowed_alibi_attention",
+    "alibi_attention", "poslsh_attention_reference", "attend", "poslsh_attention", "windowed_alibi_attention",
     "available_backends", "merge_attention", "Documents",
     "theory", "cost", "PartitionSchedule", "PoslshAttention",
     "PartitionsND", "sample_partitions_nd", "grid_coords", "expected_mask", "GammaWidths", "FixedWidth",
     "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd", "poslsh_attention_reference_nd",
     "poslsh_attention_2d",
 ]
+
+# Names that moved keep working for one release (with one warning each).
+_moved_names(vars(_alibi), {"AlibiWindow": (lambda: AlibiWindow, "poslsh.AlibiWindow (poslsh.window.AlibiWindow)"),
+                            "make_window": (lambda: make_window, "poslsh.window.make_window")})
+_moved_names(vars(_attention), {"windowed_alibi_attention": (lambda: windowed_alibi_attention,
+                                                             "poslsh.windowed_alibi_attention (poslsh.window)")})
 
 # Register every backend now, not at the first call: a first call inside torch.compile would
 # otherwise import modules while dynamo traces (a graph break, an error under fullgraph=True).

@@ -27,8 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .alibi import alibi_sigmas
-from .attention import poslsh_attention
-from .attention_nd import poslsh_attention_2d
+from .attention import poslsh_attention, poslsh_attention_2d
 from .partitions import Partitions, check_sampler, sample_partitions
 from .partitions_nd import PartitionsND, sample_partitions_nd
 from .sampling import check_sigma

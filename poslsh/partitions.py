@@ -19,12 +19,14 @@ dimensions) is ``D`` of these, one per axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .positional import Positional
 from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
                        draw, group_count, make_generator)
 from .widths import GammaWidths, WidthDistribution, kernel_matrix
@@ -53,8 +55,9 @@ def _check_length(n) -> int:
 
 
 @dataclass(frozen=True)
-class Partitions:
-    """``s`` random-binning partitions per head.
+class Partitions(Positional):
+    """``s`` random-binning partitions per head: the positional kind of the ``"sequence"`` op
+    (:mod:`poslsh.positional`).
 
     Attributes:
         widths: ``[H, s]`` float64, bin widths ``b`` (``> 0``).
@@ -80,6 +83,10 @@ class Partitions:
     sigma: Optional[Tensor] = None
     groups: Optional[Tensor] = None
     distribution: Optional[WidthDistribution] = None
+
+    op = "sequence"
+    heads_are = "partitions were built for"
+    public_name = "poslsh.Partitions"
 
     def __post_init__(self):
         w, c = self.widths, self.offsets
@@ -111,7 +118,7 @@ class Partitions:
 
     def __eq__(self, other) -> bool:
         """Equal values (widths, offsets, sigma, groups) and distribution, whatever the tensor objects."""
-        if not isinstance(other, Partitions):
+        if type(other) is not type(self):
             return NotImplemented
         if self.distribution != other.distribution:
             return False
@@ -153,6 +160,31 @@ class Partitions:
         idx = [heads] if isinstance(heads, int) else heads
         pick = (lambda x: None if x is None else x[idx])
         return Partitions(self.widths[idx], self.offsets[idx], pick(self.sigma), pick(self.groups), self.distribution)
+
+    # ------------------------------------------------- the positional protocol
+    def tensors(self) -> Tuple[Tensor, Tensor]:
+        """``(widths, offsets)``, float64 ``[H, s]`` each (the groups follow from them)."""
+        return self.widths, self.offsets
+
+    def reach(self, positions: Tensor, seq_len: int) -> Tuple[Tensor, Tensor]:
+        """Per head the keys ``[first, end)`` of the union of a position's blocks over the samples, int64 ``[H, P]``."""
+        start, end = self.block_bounds(seq_len, positions)
+        return start.amin(1), end.amax(1)
+
+    def cache_bound(self, *, per_head: bool = False) -> Union[int, List[int]]:
+        """``max_block - 1`` with ``max_block = max_{h,t} ceil(b_{h,t})`` (a bin of width ``b <= 1`` holds one
+        position): the most keys a causal stream keeps after a step (``per_head``: each query head's)."""
+        heads = [max(1, int(math.ceil(w))) - 1 for w in self.widths.amax(1).tolist()]
+        return heads if per_head else max(heads)
+
+    def dense_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``log count_ij`` between positions (samples in which they share a block; ``-inf`` for none),
+        float64 ``[H, P, Q]``: one sample at a time, ``O(H (P + Q) s + H P Q)`` memory."""
+        lab_q, lab_k = (block_labels(self.widths, self.offsets, p.to(self.device, torch.float64)) for p in (q_pos, k_pos))
+        count = torch.zeros(self.num_heads, q_pos.numel(), k_pos.numel(), dtype=torch.float64, device=self.device)
+        for t in range(self.num_samples):
+            count += lab_q[:, t, :, None] == lab_k[:, t, None, :]
+        return torch.log(count)
 
     def __repr__(self) -> str:
         kind = "fixed" if self.sigma is None else "sampled" if self.groups is None else \

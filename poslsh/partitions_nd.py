@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .partitions import Partitions
+from .positional import Positional
 from .sampling import check_num_samples, check_sampler, check_sigma, check_widths, draw, make_generator
 from .widths import WidthDistribution, kernel_matrix
 
@@ -109,7 +110,7 @@ def check_sigma_nd(sigma, dims: Optional[int]) -> Tensor:
 
 # ----------------------------------------------------------------- partitions
 @dataclass(frozen=True, eq=False, init=False)
-class PartitionsND:
+class PartitionsND(Positional):
     """``s`` random box partitions per head over ``D``-dimensional integer coordinates: one
     :class:`~poslsh.partitions.Partitions` per axis (``PartitionsND(axes)``), all with the same
     ``H`` heads, ``s`` samples and device, all sampled (``sigma`` set) or all fixed. Sample ``t``
@@ -121,6 +122,10 @@ class PartitionsND:
     """
 
     axes: Tuple[Partitions, ...]
+
+    op = "grid"
+    heads_are = "partitions were built for"
+    public_name = "poslsh.PartitionsND"
 
     def __init__(self, axes: Sequence[Partitions], *tensor_form):
         if tensor_form or isinstance(axes, Tensor) or not isinstance(axes, (tuple, list)) or not axes or \
@@ -204,8 +209,32 @@ class PartitionsND:
             raise ValueError(f"axis must be an int in [0, {self.dims}), got {a!r}")
         return self.axes[a]
 
+    def tensors(self) -> Tuple[Tensor, Tensor]:
+        """``(widths, offsets)``, float64 ``[H, s, D]`` each."""
+        return self.widths, self.offsets
+
+    def check_layout(self, seq_len: int, grid=None) -> Tuple[int, int]:
+        """The op attends a 2-D token grid: ``grid = (height, width)`` with ``height * width = seq_len``
+        and partitions of 2 axes; returns ``(height, width)``."""
+        if self.dims != 2:
+            raise ValueError(f"partitions have {self.dims} axes; 2-D attention over a grid needs 2 "
+                             "(sample them with dims=2 or sigma [H, 2])")
+        height, width = check_grid(grid)
+        if height * width != seq_len:
+            raise ValueError(f"grid {height}x{width} has {height * width} tokens but q has seqlen {seq_len}")
+        return height, width
+
+    def dense_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``log count_xy`` between token coordinates ``q_pos [P, D]`` and ``k_pos [Q, D]`` (samples in which
+        they share a box on every axis; ``-inf`` for none), float64 ``[H, P, Q]``, one sample at a time."""
+        lab_q, lab_k = self.labels(q_pos), self.labels(k_pos)                     # [H, s, P|Q, D]
+        count = torch.zeros(self.num_heads, lab_q.shape[2], lab_k.shape[2], dtype=torch.float64, device=self.device)
+        for t in range(self.num_samples):
+            count += (lab_q[:, t, :, None] == lab_k[:, t, None, :]).all(-1)
+        return torch.log(count)
+
     def __eq__(self, other) -> bool:
-        if not isinstance(other, PartitionsND):
+        if type(other) is not type(self):
             return NotImplemented
         return self.axes == other.axes
 

@@ -20,9 +20,11 @@ imported (:func:`poslsh.ops.load_backends`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from torch import Tensor
+
+from .call import Call
 
 __all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons"]
 
@@ -34,42 +36,6 @@ FEATURES = {
     "documents": "packed documents (cu_seqlens / document_ids)",
     "lse": "the log-sum-exp (return_lse=True)",
 }
-
-
-class Call(NamedTuple):
-    """One validated attention call, as the dispatcher hands it to a backend.
-
-    ``positional`` is the op's positional object (see the module docstring), already on
-    ``q.device``; ``shape`` the :class:`~poslsh._validation.AttnShape`; ``span`` a
-    :class:`~poslsh.ops.torch_plan.Span` when queries and keys sit at given positions (None:
-    self-attention); ``documents`` a :class:`~poslsh.documents.Documents` for packed
-    sequences (None: one document per row); ``grid`` the ``(height, width)`` of the ``"grid"``
-    op. A backend returns ``(out [B, Hq, n, dv] in q.dtype, lse [B, Hq, n] or None)``; ``lse``
-    (float32, float64 for float64 input, natural log) is required when ``return_lse``.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    positional: object
-    shape: object
-    causal: bool
-    scale: float
-    span: Optional[object] = None
-    documents: Optional[object] = None
-    return_lse: bool = False
-    grid: Optional[Tuple[int, int]] = None
-
-    def needs(self) -> FrozenSet[str]:
-        """The features this call needs (keys of :data:`FEATURES`)."""
-        out = set()
-        if self.span is not None:
-            out.add("spans")
-        if self.documents is not None:
-            out.add("documents")
-        if self.return_lse:
-            out.add("lse")
-        return frozenset(out)
 
 
 @dataclass(frozen=True)

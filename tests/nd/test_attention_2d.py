@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.attention_nd import poslsh_attention_2d
+from poslsh.attention import poslsh_attention_2d
 from poslsh.ops import torch_grid
 from poslsh.partitions_nd import PartitionsND, grid_coords, sample_partitions_nd
 from poslsh.reference import poslsh_attention_reference_nd

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 import poslsh  # noqa: E402
-from poslsh.alibi import make_window  # noqa: E402
+from poslsh.window import make_window  # noqa: E402
 from poslsh.documents import make_documents  # noqa: E402
 from poslsh.ops import registry  # noqa: E402
 from poslsh.ops.triton import _launch, _plan  # noqa: E402

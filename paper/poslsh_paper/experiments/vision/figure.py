@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from poslsh import theory
-from poslsh.attention_nd import poslsh_attention_2d
+from poslsh.attention import poslsh_attention_2d
 from poslsh_paper.data.images import to_float, upsample
 from poslsh_paper.io import atomic_savefig, atomic_write_json
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from poslsh.alibi import alibi_bias
-from poslsh.attention_nd import poslsh_attention_2d
+from poslsh.attention import poslsh_attention_2d
 from poslsh.modules import PartitionSchedule
 from poslsh.partitions_nd import PartitionsND, grid_coords
 from poslsh.reference import alibi_bias_nd
