@@ -2,6 +2,7 @@
 of ALiBi attention by random contiguous block masks."""
 from .alibi import alibi_bias, alibi_matrix, alibi_sigmas, alibi_slopes
 from .attention import attend, available_backends, poslsh_attention, poslsh_attention_2d
+from . import window
 from .window import AlibiWindow, make_window, windowed_alibi_attention
 from . import alibi as _alibi, attention as _attention
 from ._compat import moved_names as _moved_names
@@ -33,6 +34,8 @@ __all__ = [
 # Names that moved keep working for one release (with one warning each).
 _moved_names(vars(_alibi), {"AlibiWindow": (lambda: AlibiWindow, "poslsh.AlibiWindow (poslsh.window.AlibiWindow)"),
                             "make_window": (lambda: make_window, "poslsh.window.make_window")})
+_moved_names(vars(cost), {name: ((lambda name=name: getattr(window, name)), f"poslsh.window.{name}")
+                          for name in ("cost_matched_window", "window_keys_per_query")})
 _moved_names(vars(_attention), {"windowed_alibi_attention": (lambda: windowed_alibi_attention,
                                                              "poslsh.windowed_alibi_attention (poslsh.window)")})
 

@@ -34,7 +34,7 @@ coordinates ``[P, D]`` (which have no 1-D reach: decoding and context parallelis
 from __future__ import annotations
 
 import hashlib
-from typing import ClassVar, Dict, List, Optional, Tuple, Union
+from typing import ClassVar, Dict, List, Tuple, Union
 
 import torch
 from torch import Tensor

@@ -19,7 +19,8 @@ FLOORS: List[Tuple[str, List[str]]] = [
     # the positional protocol and the kinds that implement it
     ("positional kinds", ["poslsh.positional", "poslsh.partitions", "poslsh.partitions_nd", "poslsh.window.kind"]),
     # what is proved or computed densely about the kinds: below every op
-    ("theory and oracles", ["poslsh.theory", "poslsh.window_theory", "poslsh.reference"]),
+    ("theory and oracles", ["poslsh.theory", "poslsh.window.theory", "poslsh.window.cost", "poslsh.window_theory",
+                            "poslsh.reference"]),
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.window", "poslsh.distributed",
             "poslsh.decoding"]),
     ("modules", ["poslsh.modules", "poslsh"]),  # "poslsh" = the package's public face

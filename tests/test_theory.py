@@ -70,11 +70,11 @@ def test_instance_stats_and_output_bound():
 
 
 def test_window_theory_is_part_of_theory():
-    """poslsh.theory exposes the window's truncation bound next to the paper's bounds."""
-    from poslsh import window_theory
-    for name in ("window_tail_ratio", "window_error_bound", "alibi_window", "logit_range"):
+    """poslsh.theory exposes the window's truncation bound (defined in the window's room) next to the paper's bounds."""
+    from poslsh.window import theory as window_theory
+    for name in ("window_tail_ratio", "window_error_bound", "smallest_window", "logit_range"):
         assert getattr(theory, name) is getattr(window_theory, name) and name in theory.__all__
     # the window a tolerance needs grows like sigma (R + ln 1/tol); positional LSH's s like 1/eps^2
-    w = theory.alibi_window(torch.tensor([8.0, 64.0]), 1e-3, 5.0)
-    assert torch.equal(w, theory.alibi_window(torch.tensor([8.0, 64.0]), torch.tensor([1e-3, 1e-3]), 5.0))
+    w = theory.smallest_window(1e-3, torch.tensor([8.0, 64.0]), 5.0)
+    assert torch.equal(w, theory.smallest_window(torch.tensor([1e-3, 1e-3]), torch.tensor([8.0, 64.0]), 5.0))
     assert float(w[1]) / float(w[0]) == pytest.approx(8.0, rel=0.02)
