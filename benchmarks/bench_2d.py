@@ -52,15 +52,15 @@ def time_poslsh(G: int, sigma, repeats: int, backward: bool = False) -> float:
     q, k, v, parts = inputs(G, sigma)
     if not backward:
         with torch.no_grad():
-            return median_seconds(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)), repeats)
+            return median_seconds(lambda: poslsh.poslsh_attention_nd(q, k, v, parts, grid=(G, G)), repeats)
     for t in (q, k, v):
         t.requires_grad_(True)
-    return median_seconds(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)).sum().backward(), repeats)
+    return median_seconds(lambda: poslsh.poslsh_attention_nd(q, k, v, parts, grid=(G, G)).sum().backward(), repeats)
 
 
 def time_exact(G: int, sigma, repeats: int) -> float:
     q, k, v, _ = inputs(G, sigma)
-    mask = poslsh.alibi_bias_nd(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
+    mask = poslsh.reference.alibi_bias_nd(poslsh.partitions_nd.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
                                 dtype=torch.float32)[None]
     with torch.no_grad():
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)

@@ -12,6 +12,8 @@ math is in ``sigma``); each also takes the other word by keyword (:func:`one_rat
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import numbers
 import warnings
 from typing import Callable, Dict, Optional
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["PoslshDeprecationWarning", "warn_once", "renamed_keywords", "positional_up_to", "moved_names",
-           "one_rate", "reset_warnings"]
+           "one_rate", "takes_slopes_too", "reset_warnings"]
 
 
 class PoslshDeprecationWarning(FutureWarning):
@@ -118,3 +120,30 @@ def one_rate(slopes, sigma, *, want: str, where: str, default: Optional[Callable
         return given
     t = _rate(given, word)
     return 1.0 / t          # slope 0 <-> sigma inf: the callee's checks decide what it accepts
+
+
+def _inverse(x, name: str):
+    """``1 / x`` keeping the kind of value: a number stays a number (``1 / 0 = inf``), anything else a tensor."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return math.inf if x == 0 else 1.0 / float(x)
+    return 1.0 / _rate(x, name)
+
+
+def takes_slopes_too(fn):
+    """Decorator for a function of the bandwidth ``sigma`` (samplers, cost, theory): it also takes
+    ``slopes=`` by keyword (``sigma = 1 / slopes``), exactly one of the two."""
+    params = inspect.signature(fn).parameters
+    if "sigma" not in params:
+        raise TypeError(f"{fn.__qualname__} has no sigma parameter")
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        if "slopes" in kwargs:
+            slopes = kwargs.pop("slopes")
+            given = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+            if given.get("sigma") is not None:
+                raise TypeError(f"{fn.__qualname__}: pass sigma= or slopes= (sigma_h = 1 / slope_h), not both")
+            kwargs["sigma"] = _inverse(slopes, "slopes")
+        return fn(*args, **kwargs)
+    inner.rate_words = ("sigma", "slopes")        # what the vocabulary test reads
+    return inner

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._compat import one_rate
+from ._compat import one_rate, takes_slopes_too
 from ._validation import positions_needed
 
 __all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "as_per_head"]
@@ -83,8 +83,10 @@ def alibi_bias(n: int, slopes=None, *, causal: bool = False, dtype: torch.dtype 
     return bias.to(dtype)
 
 
+@takes_slopes_too
 def alibi_matrix(n: int, sigma, *, device=None) -> Tensor:
-    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]``."""
+    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]`` (``sigma`` ``[H]``, or by
+    keyword ``slopes=``)."""
     sigma = as_per_head(sigma, "sigma").to(torch.float64)
     device = sigma.device if device is None else device
     pos = torch.arange(n, device=device, dtype=torch.float64)

@@ -1,6 +1,6 @@
 """The public ops and their one dispatcher: :func:`attend` (any positional object),
-:func:`poslsh_attention` (positional LSH on a sequence) and :func:`poslsh_attention_2d` (positional
-LSH over a 2-D token grid); the window op, :func:`poslsh.windowed_alibi_attention`, lives in its
+:func:`poslsh_attention` (positional LSH on a sequence) and :func:`poslsh_attention_nd` (positional
+LSH over token coordinates: a 2-D grid); the window op, :func:`poslsh.windowed_alibi_attention`, lives in its
 room (:mod:`poslsh.window`) and dispatches here too.
 
 Every call goes the same way: validate (shapes, the object's heads and layout, positions, packed
@@ -15,21 +15,21 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._compat import warn_once
 from ._validation import check_qkv, check_scale
 from .documents import make_documents
 from .ops import load_backends, registry
 from .ops.call import Call, Span, check_covered, make_span  # noqa: F401  (Span, make_span: the call contract)
 from .positional import Positional, check_positional
 
-__all__ = ["attend", "poslsh_attention", "poslsh_attention_2d", "available_backends"]
+__all__ = ["attend", "poslsh_attention", "poslsh_attention_nd", "available_backends"]
 
 
 def available_backends(q: Optional[Tensor] = None, op: str = "sequence") -> List[str]:
-    """Names of the backends implementing ``op`` (``"sequence"``, ``"window"`` or ``"grid"``),
+    """Names of the backends implementing ``op`` (``"sequence"``, ``"window"`` or ``"nd"``),
     those that can run on ``q``'s device and dtype when ``q`` is given."""
     load_backends()
-    if op not in registry.OPS:
-        raise ValueError(f"op must be one of {registry.OPS}, got {op!r}")
+    op = registry.check_op(op)
     return [b.name for b in registry.registered(op) if q is None or b.can_run(q)]
 
 
@@ -116,9 +116,10 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions, *, causal: boo
 poslsh_attention.__doc__ += POSITIONS_DOC
 
 
-def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple[int, int], *, causal: bool = False,
-                        scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False):
-    """Positional-LSH approximation of 2-D ALiBi attention over an image's patch grid (paper section 5).
+def poslsh_attention_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *, grid: Optional[Tuple[int, int]] = None,
+                        causal: bool = False, scale: Optional[float] = None, backend: str = "auto",
+                        return_lse: bool = False):
+    """Positional-LSH approximation of N-D ALiBi attention (paper section 5), over an image's 2-D patch grid.
 
     Computes, for every query ``i`` (grid cell ``x_i``),
     ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``
@@ -132,21 +133,29 @@ def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple
             key/value head ``h // (Hq // Hkv)``).
         v: ``[B, Hkv, n, dv]`` values.
         partitions: :class:`~poslsh.PartitionsND` with ``Hq`` heads and 2 axes (rows, columns),
-            e.g. ``sample_partitions_nd(sigma, s)`` or ``PartitionsND.fixed_boxes(Hq, (4, 4))``.
-        grid: ``(height, width)`` of the token grid.
+            e.g. ``sample_partitions_nd(sigma, num_samples)`` or ``PartitionsND.fixed_blocks(Hq, (4, 4))``.
+        grid: ``(height, width)`` of the token grid (keyword-only).
         causal: raster-causal: token ``i`` attends to tokens ``j <= i`` only.
         scale: logit scale, default ``1 / sqrt(d)``.
         backend: ``"auto"`` / ``"torch"`` (near linear: query tiles against the bounding box of
             their samples' boxes, ``O(n (d + s))`` memory, no ``n x n`` tensor) or ``"reference"``
-            (the dense float64-capable oracle, ``n x n``); ``available_backends(op="grid")``.
+            (the dense float64-capable oracle, ``n x n``); ``available_backends(op="nd")``.
         return_lse: also return ``log sum_j count_ij e^{s_ij}``, ``[B, Hq, n]`` (float32, float64
             for float64 input): the ``"reference"`` backend only, so far.
 
     Returns:
-        ``[B, Hq, n, dv]`` in ``q.dtype`` (and the lse). Differentiable in ``q``, ``k``, ``v``.
+        ``[B, Hq, n, dv]`` in ``q.dtype`` (and the lse). Differentiable in ``q``, ``k``, ``v``. No positions
+        (``q_start``), packed documents or lse on the torch backend: the op attends whole grids.
     """
-    check_positional(partitions, "partitions", op="grid")
+    check_positional(partitions, "partitions", op="nd")
     return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, return_lse=return_lse, grid=grid)
+
+
+def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple[int, int], **kwargs):
+    """The former name of :func:`poslsh_attention_nd`, with its grid in its old place (kept for one release)."""
+    warn_once("poslsh_attention_2d", "poslsh_attention_2d(q, k, v, partitions, grid) is now poslsh_attention_nd(q, k, "
+              "v, partitions, grid=grid) (one spelling for the N-D family); the old name goes in the next release")
+    return poslsh_attention_nd(q, k, v, partitions, grid=grid, **kwargs)
 
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal, scale, backend, q_start=None,

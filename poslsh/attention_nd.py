@@ -2,7 +2,7 @@
 from ._compat import moved_names
 
 moved_names(globals(), {"poslsh_attention_2d": (lambda: _attention().poslsh_attention_2d,
-                                                "poslsh.attention.poslsh_attention_2d")})
+                                                "poslsh.attention.poslsh_attention_2d (now poslsh.poslsh_attention_nd)")})
 
 
 def _attention():

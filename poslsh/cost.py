@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._compat import one_rate, renamed_keywords
+from ._compat import one_rate, renamed_keywords, takes_slopes_too
 
 __all__ = ["poslsh_keys_per_query", "expected_reach", "check_num_samples_int"]
 
@@ -39,6 +39,7 @@ def check_num_samples_int(num_samples) -> int:
     return num_samples
 
 
+@takes_slopes_too
 def expected_reach(sigma, num_samples: int) -> Tensor:
     """``E[max_t back_t]`` per head (float64 ``[H]``): how far back (or forward) the union of
     ``num_samples`` i.i.d. blocks reaches from a query, far from the ends (the series, to 1e-12 relative)."""

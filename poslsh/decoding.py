@@ -5,7 +5,7 @@ Two positional objects decide which keys a query at position ``p`` sees:
 * :class:`~poslsh.partitions.Partitions` (positional LSH, fixed blocks): the keys in the
   blocks that contain ``p``, one block per (head, sample). Along the sequence those blocks
   only move forward (block starts are non-decreasing in ``p``);
-* :class:`~poslsh.alibi.AlibiWindow` (exact ALiBi cut at per-head windows): head ``h`` sees
+* :class:`~poslsh.AlibiWindow` (exact ALiBi cut at per-head windows): head ``h`` sees
   the keys ``[p - w_h, p + w_h]``, which also only move forward.
 
 So once the next query is at position ``p``, every key before
@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._compat import warn_once
+from ._compat import takes_slopes_too, warn_once
 from .attention import attend
 from .documents import make_documents
 from .ops import load_backends, registry
@@ -84,12 +84,13 @@ def cache_bound(positional: Positional, *, per_head: bool = False) -> Union[int,
     return _stream_kind(positional).cache_bound(per_head=per_head)
 
 
+@takes_slopes_too
 def cache_bound_whp(sigma, num_samples: int, delta: float = 0.01) -> float:
     """Eq. (4) per head, maximised over heads: with probability at least ``1 - H * delta``
     the partitions drawn for bandwidths ``sigma`` (``[H]``) and ``num_samples`` samples
     give :func:`cache_bound` below this value, for any context length."""
     sig = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
-    return max(block_size_bound(float(x), num_samples, delta) for x in sig) - 1.0
+    return max(block_size_bound(num_samples=num_samples, sigma=float(x), delta=delta) for x in sig) - 1.0
 
 
 def span_backend(backend: str, q: Tensor, op: str = "sequence") -> str:

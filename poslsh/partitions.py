@@ -26,6 +26,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._compat import renamed_keywords, takes_slopes_too
 from .positional import Positional
 from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
                        draw, group_count, make_generator)
@@ -218,7 +219,7 @@ class Partitions(Positional):
         width, one point of its boundary lattice ``origin + Z width / size`` (the
         smallest offset of its masks) and its size. Needs ``groups``."""
         if self.groups is None:
-            raise ValueError("these partitions have no groups (i.i.d.): draw them with method='grouped'")
+            raise ValueError("these partitions have no groups (i.i.d.): draw them with sampler='grouped'")
         H, G = self.num_heads, self.num_groups
         width = torch.zeros(H, G, dtype=torch.float64, device=self.device).scatter_(1, self.groups, self.widths)
         origin = torch.full((H, G), float("inf"), dtype=torch.float64, device=self.device)
@@ -362,19 +363,21 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
 
 
 
+@renamed_keywords(method="sampler")
+@takes_slopes_too
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
-                      seed: Optional[int] = None, method: str = "iid",
-                      group_size: Union[int, str, None] = None,
+                      seed: Optional[int] = None, sampler: str = "iid", group_size: Union[int, str, None] = None,
                       widths: Optional[WidthDistribution] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
-        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``.
+        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``; or by keyword
+            ``slopes=`` ``[H]`` (exactly one of the two). A number is one head.
         num_samples: ``s >= 1`` partitions per head.
         generator: a CPU ``torch.Generator`` to draw from (exclusive with ``seed``).
         seed: an int seed (exclusive with ``generator``). With neither, the global
             CPU RNG is used.
-        method: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
+        sampler: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
             masks, stratified widths) or ``"grouped"`` (groups of shifted grids with
             stratified widths): every slot is marginally ``b ~ widths(sigma)``,
             ``c | b ~ U[0, b)``, so ``E[M~] = k`` exactly. See :mod:`poslsh.sampling`.
@@ -384,21 +387,21 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
             ``G = max(2, round(sqrt(s)))`` groups.
         widths: the width distribution (:mod:`poslsh.widths`): ``None`` or ``GammaWidths(2)``
             is ALiBi (``E[M] = exp(-|i - j| / sigma)``, the same stream as ever for a seed),
-            ``GammaWidths(m)`` / ``FixedWidth(w)`` other kernels. Every method takes both
+            ``GammaWidths(m)`` / ``FixedWidth(w)`` other kernels. Every sampler takes both
             (stratifying needs the quantile function, which both have).
 
     Returns:
         :class:`Partitions` with ``widths``/``offsets`` of shape ``[H, s]`` (float64)
-        on ``sigma``'s device (``groups`` set unless ``method == "iid"``; ``distribution`` the
+        on ``sigma``'s device (``groups`` set unless ``sampler == "iid"``; ``distribution`` the
         width law). Drawing happens on the CPU, so the same seed gives the same partitions on
         every device.
     """
     sigma = check_sigma(sigma)
     check_num_samples(num_samples)
-    check_sampler(method, group_size)
-    dist = check_widths(widths, method)
+    check_sampler(sampler, group_size)
+    dist = check_widths(widths, sampler)
     generator = make_generator(generator, seed)
     sig = sigma.detach().to("cpu", torch.float64)
     dev = sigma.device
-    w, c, groups = draw(sig, num_samples, generator, method, group_size, dist)
+    w, c, groups = draw(sig, num_samples, generator, sampler, group_size, dist)
     return Partitions(w.to(dev), c.to(dev), sig.to(dev), None if groups is None else groups.to(dev), dist)

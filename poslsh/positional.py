@@ -6,7 +6,7 @@ A *positional kind* decides which keys a query sees and with what weight. Three 
   holding the query, weighted by how many samples share them (op ``"sequence"``);
 * :class:`~poslsh.window.kind.AlibiWindow` (exact ALiBi cut at per-head windows): keys within
   ``w_h``, weighted ``e^{-m_h |i - j|}`` (op ``"window"``);
-* :class:`~poslsh.partitions_nd.PartitionsND` (random boxes over token coordinates, op ``"grid"``).
+* :class:`~poslsh.partitions_nd.PartitionsND` (random boxes over token coordinates, op ``"nd"``).
 
 Every kind knows itself, as every bias of xformers' ``attn_bias`` does and as FlexAttention's
 ``BlockMask`` is one object: the code that decodes, shards, caches or checks a call asks the
@@ -28,7 +28,7 @@ object (its methods below) instead of asking which kind it is. What a kind answe
                        dense oracle (:mod:`poslsh.reference`) and the dense fallbacks use it
 =====================  ==============================================================================
 
-Positions are absolute integer positions in a sequence (``[P]``); for the ``"grid"`` kind, token
+Positions are absolute integer positions in a sequence (``[P]``); for the ``"nd"`` kind, token
 coordinates ``[P, D]`` (which have no 1-D reach: decoding and context parallelism serve sequences).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ._compat import one_rate
+from ._compat import one_rate, takes_slopes_too
 from ._validation import check_qkv, check_scale, compute_dtype, positions_needed
 from .documents import Documents, make_documents
 from .positional import Positional, check_positional
@@ -183,10 +183,10 @@ def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions, *,
 
 
 # ----------------------------------------------------------------------------- N dimensions
-# Oracles over token coordinates (paper section 5). Naming rule: the 1-D oracle's name with the
-# suffix ``_nd`` takes coordinates ``[n, D]`` of any ``D`` (or a ``grid``); ``_2d`` (the op,
-# :func:`poslsh.poslsh_attention_2d`) takes a 2-D grid only. *causal* over coordinates means raster
-# (token) order: token ``i`` sees tokens ``j <= i``.
+# Oracles over token coordinates (paper section 5). Naming rule: the 1-D name with the suffix ``_nd``
+# (``ND`` in class names) is the N-D one; these take coordinates ``[n, D]`` of any ``D`` (or a ``grid``),
+# the op (:func:`poslsh.poslsh_attention_nd`) takes a 2-D grid for now. *causal* over coordinates means
+# raster (token) order: token ``i`` sees tokens ``j <= i``.
 from .partitions_nd import check_coords, check_grid, check_sigma_nd, expected_mask, grid_coords  # noqa: E402
 from .widths import WidthDistribution  # noqa: E402
 
@@ -222,13 +222,13 @@ def _slopes_nd(slopes, dims: int) -> Tensor:
     return t
 
 
-def alibi_bias_nd(coords: Tensor, slopes, *, dtype: torch.dtype = torch.float64) -> Tensor:
+def alibi_bias_nd(coords: Tensor, slopes=None, *, dtype: torch.dtype = torch.float64, sigma=None) -> Tensor:
     """Additive N-D ALiBi bias ``-sum_a m_{h,a} |x_a - y_a|`` (``= -m_h ||x - y||_1`` for one
-    slope per head), ``[H, n, n]`` in ``dtype``. ``slopes``: ``[H]`` or per-axis ``[H, D]`` (``1 / sigma``).
+    slope per head), ``[H, n, n]`` in ``dtype``. ``slopes``: ``[H]`` or per-axis ``[H, D]`` (or ``sigma=``, ``1 / slopes``).
     Built head by head and axis by axis in ``dtype``, so memory is the output plus two ``[n, n]``
     buffers (a 128 x 128 grid in float32: 4 GiB + 2 GiB)."""
     x = check_coords(coords)
-    m = _slopes_nd(slopes, x.shape[1])
+    m = _slopes_nd(one_rate(slopes, sigma, want="slopes", where="alibi_bias_nd"), x.shape[1])
     xf = x.to(torch.float64 if dtype == torch.float64 else torch.float32)   # small integers: exact
     out = torch.zeros(m.shape[0], x.shape[0], x.shape[0], dtype=dtype, device=x.device)
     for a in range(x.shape[1]):
@@ -238,20 +238,21 @@ def alibi_bias_nd(coords: Tensor, slopes, *, dtype: torch.dtype = torch.float64)
     return out
 
 
+@takes_slopes_too
 def alibi_matrix_nd(coords: Tensor, sigma) -> Tensor:
     """``L**_xy = exp(-sum_a |x_a - y_a| / sigma_{h,a})``, float64 ``[H, n, n]`` (2-D ALiBi's kernel)."""
     x = check_coords(coords)
     return torch.exp(alibi_bias_nd(x, 1.0 / check_sigma_nd(sigma, x.shape[1])))
 
 
-def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes, *, coords: Optional[Tensor] = None, grid=None,
-                       causal: bool = False, scale: Optional[float] = None, return_lse: bool = False):
+def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, coords: Optional[Tensor] = None, grid=None,
+                       causal: bool = False, scale: Optional[float] = None, return_lse: bool = False, sigma=None):
     """Exact N-D ALiBi attention ``softmax(q k^T * scale - m_h ||x_i - x_j||_1) v`` (the weights
     multiplied by ``L**``), densely.
 
     Args:
         q: ``[B, Hq, n, d]``; k, v: ``[B, Hkv, n, d]`` / ``[B, Hkv, n, dv]`` (``Hq`` a multiple of ``Hkv``).
-        slopes: ``[Hq]`` or ``[Hq, D]`` slopes ``m = 1 / sigma``.
+        slopes: ``[Hq]`` or ``[Hq, D]`` slopes ``m``; or by keyword ``sigma=`` (``1 / m``).
         coords: ``[n, D]`` integer token coordinates, or grid: ``(height, width)`` in raster order.
         causal: token ``i`` attends to ``j <= i`` only (raster order).
         return_lse: also return the log-sum-exp ``[B, Hq, n]`` of the biased logits.
@@ -259,18 +260,21 @@ def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes, *, coords: Optio
         ``[B, Hq, n, dv]`` (computed in float32, or float64 for float64 input), and the lse.
     """
     shape = check_qkv(q, k, v)
+    slopes = one_rate(slopes, sigma, want="slopes", where="alibi_attention_nd")
     bias = alibi_bias_nd(coords_nd(shape.seqlen, coords, grid), slopes).to(q.device)
     if bias.shape[0] != shape.q_heads:
         raise ValueError(f"got {bias.shape[0]} slopes for {shape.q_heads} query heads")
     return dense_attention(q, k, v, bias, causal=causal, scale=scale, return_lse=return_lse)
 
 
+@takes_slopes_too
 def kernel_attention_nd(q: Tensor, k: Tensor, v: Tensor, sigma, widths: Optional[WidthDistribution] = None, *,
                         coords: Optional[Tensor] = None, grid=None, causal: bool = False,
                         scale: Optional[float] = None, return_lse: bool = False):
     """Attention with the weights multiplied by the exact expected mask ``L = E[M]`` of a width
     distribution (:func:`~poslsh.partitions_nd.expected_mask`): the target that positional LSH
-    with those widths estimates. ``sigma``: ``[Hq]`` or ``[Hq, D]``. Shapes as in
+    with those widths estimates. ``sigma``: ``[Hq]`` or ``[Hq, D]``, the kernel's bandwidths (its math is in
+    ``sigma``, as the samplers'; ``slopes=`` by keyword). Shapes as in
     :func:`alibi_attention_nd`; where ``L = 0`` (compact kernels) the key is masked."""
     shape = check_qkv(q, k, v)
     L = expected_mask(coords_nd(shape.seqlen, coords, grid), sigma, widths).to(q.device)
@@ -283,7 +287,7 @@ def poslsh_attention_reference_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *
                                   coords: Optional[Tensor] = None, grid=None, causal: bool = False,
                                   scale: Optional[float] = None, return_lse: bool = False):
     """The positional-LSH estimator with the mean box mask ``M~``, densely (the float64 oracle of
-    :func:`poslsh.poslsh_attention_2d`).
+    :func:`poslsh.poslsh_attention_nd`).
 
     ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``: one
     softmax with the bias ``log count_ij`` (``count_ij`` = samples in which ``i`` and ``j`` share a
@@ -291,7 +295,7 @@ def poslsh_attention_reference_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *
     Shapes as in :func:`alibi_attention_nd`; ``partitions`` has ``Hq`` heads and ``D`` = the
     coordinates' axes.
     """
-    check_positional(partitions, "partitions", op="grid")
+    check_positional(partitions, "partitions", op="nd")
     shape = check_qkv(q, k, v)
     partitions.check_heads(shape.q_heads)
     x = coords_nd(shape.seqlen, coords, grid).to(q.device)

@@ -82,3 +82,62 @@ def test_the_rate_in_either_word_exactly_once():
         poslsh.alibi_attention(q, k, v)
     with pytest.raises(TypeError, match="not both"):
         poslsh.window.cost_matched_window(sigma, 5, slopes=slopes)
+
+
+def test_stage_renames_of_the_nd_family_and_the_sampler():
+    sig = poslsh.alibi_sigmas(2)
+    got, _ = old(lambda: poslsh.sample_partitions(sig, 4, seed=0, method="grouped"))
+    assert got == poslsh.sample_partitions(sig, 4, seed=0, sampler="grouped")
+    got, _ = old(lambda: poslsh.sample_partitions_nd(sig, 4, seed=0, method="stratified"))
+    assert got == poslsh.sample_partitions_nd(sig, 4, seed=0, sampler="stratified")
+    boxes, _ = old(lambda: poslsh.PartitionsND.fixed_boxes(2, (2, 3)))
+    assert boxes == poslsh.PartitionsND.fixed_blocks(2, (2, 3))
+    coords = poslsh.partitions_nd.grid_coords(4, 6)
+    (lo, hi), _ = old(lambda: boxes.box_bounds(coords, (4, 6)))
+    want = boxes.block_bounds((4, 6), coords)
+    assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
+    got, _ = old(lambda: boxes.max_box_size(coords))
+    assert got == boxes.max_block_size(coords) == 6
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = poslsh.poslsh_attention_nd(q, k, v, boxes, grid=(4, 6))
+    fn, _ = old(lambda: poslsh.poslsh_attention_2d)                # the top-level name
+    got, _ = old(lambda: fn(q, k, v, boxes, (4, 6)))               # the old name, its grid positional
+    assert torch.equal(got, want)
+    got, _ = old(lambda: poslsh.available_backends(op="grid"))
+    assert got == poslsh.available_backends(op="nd")
+    with pytest.raises(TypeError):                                 # the new name: grid= keyword-only
+        poslsh.poslsh_attention_nd(q, k, v, boxes, (4, 6))
+
+
+def test_reordered_theory_refuses_the_old_order():
+    """A parameter that moved is keyword-only: the order of 0.2 is refused in one line, never reread."""
+    from poslsh import theory
+    for call, name in [(lambda: theory.block_size_bound(8.0, 10, 0.01), "block_size_bound"),
+                       (lambda: theory.delta_p(0.3, 4.0, 100, 10, 0.01), "delta_p"),
+                       (lambda: theory.output_error_bound(0.9, 0.3, 1.0, 4.0, 100, 10, 0.01), "output_error_bound"),
+                       (lambda: theory.smallest_constant(0.1, 0.9, 0.3, 1.0, 4.0, 100, 10, 0.01), "smallest_constant"),
+                       (lambda: theory.mask_error_matvec([0], [1], 1, 4.0, 1), "mask_error_matvec")]:
+        with pytest.raises(TypeError, match=f"{name}: its arguments after the first .* keyword-only since poslsh 0.3"):
+            call()
+    got, _ = old(lambda: theory.block_size_bound(sigma=8.0, s=10, delta=0.01))
+    assert got == theory.block_size_bound(num_samples=10, sigma=8.0, delta=0.01)
+    got, _ = old(lambda: theory.spectral_expectation_bound(100, s=10, sigma=4.0))
+    assert got == theory.spectral_expectation_bound(100, 10, 4.0) == theory.spectral_expectation_bound(
+        100, 10, slopes=0.25)
+    with pytest.raises(TypeError, match="not both"):
+        theory.psi(4.0, slopes=0.25)
+
+
+def test_modules_and_dropped_top_level_names():
+    layer = poslsh.PoslshAttention(num_heads=2, num_samples=3).eval()
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    got, _ = old(lambda: layer(q, k, v))
+    assert torch.equal(got, layer.attend(q, k, v))
+    sched = poslsh.PartitionSchedule(slopes=poslsh.alibi_slopes(2), num_samples=3)
+    assert torch.allclose(sched.sigma, poslsh.alibi_sigmas(2))
+    for name, where in [("make_window", poslsh.window), ("Documents", poslsh.documents),
+                        ("grid_coords", poslsh.partitions_nd), ("alibi_bias", poslsh.alibi),
+                        ("alibi_attention_nd", poslsh.reference), ("Blocks", poslsh.partitions)]:
+        assert name not in poslsh.__all__
+        got, _ = old(lambda: getattr(poslsh, name))
+        assert got is getattr(where, name)

@@ -13,7 +13,7 @@ def kinds():
     sigma = torch.tensor([1.5, 6.0, 20.0], dtype=torch.float64)
     return {
         "partitions": poslsh.sample_partitions(sigma, 4, seed=0),
-        "grouped": poslsh.sample_partitions(sigma, 6, seed=1, method="grouped"),
+        "grouped": poslsh.sample_partitions(sigma, 6, seed=1, sampler="grouped"),
         "fixed": poslsh.Partitions.fixed_blocks(3, 7),
         "window": make_window(1 / sigma, torch.tensor([0, 5, 40])),
     }
@@ -80,7 +80,7 @@ def test_attend_serves_every_kind_on_every_backend_that_runs_it():
     boxes = poslsh.sample_partitions_nd(torch.tensor([2.0, 3.0, 4.0]), 3, seed=0)
     q2, k2, v2 = (t[:, :, :36] for t in (q, k, v))
     got = poslsh.attend(q2, k2, v2, boxes, grid=(6, 6))
-    assert torch.equal(got, poslsh.poslsh_attention_2d(q2, k2, v2, boxes, (6, 6)))
+    assert torch.equal(got, poslsh.poslsh_attention_nd(q2, k2, v2, boxes, grid=(6, 6)))
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])

@@ -138,7 +138,7 @@ def test_one_positions_rule_unequal_lengths_need_positions():
     calls = [lambda: poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True),
              lambda: poslsh.poslsh_attention_reference(q[:, :, 6:], k, v, parts, causal=True),
              lambda: dense_attention(q[:, :, 6:], k, v, causal=True),
-             lambda: poslsh.alibi_bias(9, slopes, num_queries=3),
+             lambda: poslsh.alibi.alibi_bias(9, slopes, num_queries=3),
              lambda: poslsh.poslsh_attention(q[:, :, 6:], k, v, parts, causal=True),
              lambda: poslsh.windowed_alibi_attention(q[:, :, 6:], k, v, slopes, window=3, causal=True)]
     for call in calls:
@@ -147,7 +147,7 @@ def test_one_positions_rule_unequal_lengths_need_positions():
     whole = poslsh.alibi_attention(q, k, v, slopes, causal=True)
     last = poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True, q_start=6)
     assert torch.equal(last, whole[:, :, 6:])
-    bias = poslsh.alibi_bias(9, slopes, num_queries=3, q_start=6, causal=True)
-    assert torch.equal(bias, poslsh.alibi_bias(9, slopes, causal=True)[:, 6:])
+    bias = poslsh.alibi.alibi_bias(9, slopes, num_queries=3, q_start=6, causal=True)
+    assert torch.equal(bias, poslsh.alibi.alibi_bias(9, slopes, causal=True)[:, 6:])
     assert torch.allclose(dense_attention(q[:, :, 6:], k, v, causal=True, q_start=6),
                           dense_attention(q, k, v, causal=True)[:, :, 6:], atol=1e-14, rtol=0)

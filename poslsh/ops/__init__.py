@@ -1,5 +1,5 @@
 """Backends of the library's ops, registered in :mod:`.registry`:
-``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"grid"``
+``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"nd"``
 op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed), ``"flex"``
 (:mod:`.flex`, PyTorch's FlexAttention, when torch has it) and ``"reference"`` (the dense
 float64-safe oracles of :mod:`poslsh.reference`)."""
@@ -37,8 +37,8 @@ def load_backends() -> None:
     everything = ("spans", "documents", "lse")
     register_backend("reference", _reference, op="sequence", features=everything)
     register_backend("reference", _reference, op="window", features=everything)
-    from . import torch_grid  # noqa: F401  (registers "torch" for the "grid" op)
-    register_backend("reference", _reference_grid, op="grid", features=("lse",))
+    from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
+    register_backend("reference", _reference_grid, op="nd", features=("lse",))
     try:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:

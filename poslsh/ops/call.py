@@ -50,7 +50,7 @@ class Call(NamedTuple):
     ``q.device``; ``shape`` the :class:`~poslsh._validation.AttnShape`; ``span`` a :class:`Span`
     when queries and keys sit at given positions (None: self-attention); ``documents`` a
     :class:`~poslsh.documents.Documents` for packed sequences (None: one document per row);
-    ``grid`` the ``(height, width)`` of the ``"grid"`` op. A backend returns ``(out [B, Hq, n, dv] in
+    ``grid`` the ``(height, width)`` of the ``"nd"`` op. A backend returns ``(out [B, Hq, n, dv] in
     q.dtype, lse [B, Hq, n] or None)``; ``lse`` (float32, float64 for float64 input, natural log)
     is required when ``return_lse``.
     """

@@ -5,9 +5,11 @@ Three ops share one registry:
 * ``"sequence"``: positional LSH on a 1-D sequence (:func:`poslsh.poslsh_attention`),
   the positional object a :class:`~poslsh.partitions.Partitions`;
 * ``"window"``: exact ALiBi cut at a per-head window (:func:`poslsh.windowed_alibi_attention`),
-  the positional object an :class:`~poslsh.alibi.AlibiWindow`;
-* ``"grid"``: positional LSH on a 2-D token grid (:func:`poslsh.poslsh_attention_2d`),
-  the positional object a :class:`~poslsh.partitions_nd.PartitionsND`.
+  the positional object an :class:`~poslsh.AlibiWindow`;
+* ``"nd"``: positional LSH over token coordinates, on a 2-D token grid so far
+  (:func:`poslsh.poslsh_attention_nd`), the positional object a :class:`~poslsh.partitions_nd.PartitionsND`.
+
+The op of a call is its positional object's (``positional.op``, :mod:`poslsh.positional`).
 
 A backend registers one function per op, ``fn(call: Call) -> (out, lse or None)``, with the
 optional features it supports (:data:`FEATURES`) and ``why_not(q)``: ``None`` when it can run
@@ -24,11 +26,24 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from torch import Tensor
 
+from .._compat import warn_once
 from .call import Call
 
-__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons"]
+__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons", "check_op"]
 
-OPS = ("sequence", "window", "grid")
+OPS = ("sequence", "window", "nd")
+_RENAMED_OPS = {"grid": "nd"}      # the op's name in 0.2
+
+
+def check_op(op: str) -> str:
+    """``op`` if it is one of :data:`OPS` (its 0.2 name ``"grid"`` works once more, with a warning)."""
+    if op in _RENAMED_OPS:
+        warn_once(f"op={op}", f"op={op!r} is now op={_RENAMED_OPS[op]!r} (one spelling for the N-D family); the old "
+                  "name goes in the next release", stacklevel=4)
+        op = _RENAMED_OPS[op]
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return op
 
 # What a call may need beyond plain self-attention.
 FEATURES = {
@@ -67,8 +82,7 @@ def register_backend(name: str, fn: Callable[[Call], Tuple[Tensor, Optional[Tens
 
     ``why_not``, ``preferred`` and ``priority`` describe the backend as a whole; given again for
     another op they replace the earlier ones. ``preferred`` defaults to "never auto-picked"."""
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    op = check_op(op)
     unknown = set(features) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")

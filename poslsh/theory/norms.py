@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._compat import positional_up_to, renamed_keywords, takes_slopes_too
 from ..partitions import Partitions
 from ..widths import GammaWidths
 
@@ -81,9 +82,14 @@ def _toeplitz_exp_matvec(x, sigma: float):
     return np.fft.irfft(np.fft.rfft(circ) * fx, n=2 * n)[:n]
 
 
-def mask_error_matvec(start, end, s: int, sigma: float, n: int):
+@renamed_keywords(s="num_samples")
+@positional_up_to(2, "start, end, n, num_samples, sigma")
+@takes_slopes_too
+def mask_error_matvec(start, end, *, n: int, num_samples: int, sigma: float):
     """``x -> (L* - M~) x`` for one head in ``O(n log n + #blocks)`` (numpy arrays); ``M~ x`` is a
-    sum of per-block sums computed with prefix sums (no matrix)."""
+    sum of per-block sums computed with prefix sums (no matrix). Keyword-only after ``end`` (the order
+    of 0.2 was ``(start, end, s, sigma, n)``)."""
+    s = num_samples
     np = _numpy()
 
     def matvec(x):
@@ -116,7 +122,7 @@ def spectral_norm_error(partitions: Partitions, n: int, *, tol: float = 1e-6,
         sel = blk.head == h
         start = blk.start[sel].numpy()
         end = (blk.start[sel] + blk.length[sel]).numpy()
-        mv = mask_error_matvec(start, end, p.num_samples, float(p.sigma[h]), n)
+        mv = mask_error_matvec(start, end, n=n, num_samples=p.num_samples, sigma=float(p.sigma[h]))
         if n <= dense_below:
             dense = np.stack([mv(col) for col in np.eye(n)], axis=1)
             out[h] = float(np.abs(np.linalg.eigvalsh((dense + dense.T) / 2)).max())

@@ -123,8 +123,8 @@ def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads:
     return AlibiWindow(m, w)
 
 
-def windows_in_sigmas(c: float, sigma) -> Tensor:
-    """``w_h = ceil(c sigma_h)`` (int64 ``[H]``): the dropped keys weigh at most ``e^{-c}`` each, relative to
-    the query itself."""
-    sig = as_per_head(sigma, "sigma").to(torch.float64)
+def windows_in_sigmas(c: float, sigma=None, *, slopes=None) -> Tensor:
+    """``w_h = ceil(c sigma_h)`` (int64 ``[H]``; ``sigma`` ``[H]``, or by keyword ``slopes=``): the dropped keys
+    weigh at most ``e^{-c}`` each, relative to the query itself."""
+    sig = as_per_head(one_rate(slopes, sigma, want="sigma", where="windows_in_sigmas"), "sigma").to(torch.float64)
     return torch.ceil(sig * float(c) - 1e-9).to(torch.int64)

@@ -61,7 +61,7 @@ def _parts(kind, H, seed):
         return _odd_partitions()
     stretch = 4.0 if kind == "alibi" else 2.0
     return poslsh.sample_partitions(poslsh.alibi_sigmas(H) * stretch, 6, seed=seed,
-                                    method="grouped" if kind == "grouped" else "iid")
+                                    sampler="grouped" if kind == "grouped" else "iid")
 
 
 @pytest.mark.parametrize("n,B,Hq,Hkv,causal,kind,docs", CASES)

@@ -52,7 +52,7 @@ def test_counts_equal_the_positional_lsh_oracle_and_keys_are_the_union(causal, m
     n, s = 211, 9
     q, k, v = _qkv(n, B=1)
     sig = poslsh.alibi_sigmas(4)
-    parts = poslsh.sample_partitions(sig, s, seed=3, method=method)
+    parts = poslsh.sample_partitions(sig, s, seed=3, sampler=method)
     ref = poslsh.poslsh_attention_reference(q, k, v, parts, causal=causal)
     dense = parts.dense_count(n)
     for h in range(4):
