@@ -17,7 +17,7 @@ from .reference import alibi_attention, poslsh_attention_reference
 from .widths import FixedWidth, GammaWidths
 from .window import AlibiWindow, windowed_alibi_attention
 from . import cost, theory, window
-from .modules import PartitionSchedule, PoslshAttention
+from .modules import AlibiAttention, PartitionSchedule, PoslshAttention
 
 __version__ = "0.2.0"
 
@@ -31,7 +31,7 @@ __all__ = [
     "attend", "poslsh_attention", "windowed_alibi_attention", "poslsh_attention_nd", "alibi_attention",
     "poslsh_attention_reference", "merge_attention", "available_backends",
     # modules
-    "PoslshAttention", "PartitionSchedule",
+    "PoslshAttention", "AlibiAttention", "PartitionSchedule",
     # cost and theory
     "cost", "theory", "window",
 ]

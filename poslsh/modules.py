@@ -30,14 +30,16 @@ import torch
 from torch import Tensor, nn
 
 from ._compat import one_rate, takes_slopes_too, warn_once
-from .alibi import alibi_sigmas
-from .attention import poslsh_attention, poslsh_attention_nd
+from .alibi import alibi_sigmas, alibi_slopes
+from .attention import attend, poslsh_attention, poslsh_attention_nd
 from .partitions import Partitions, check_sampler, sample_partitions
 from .partitions_nd import PartitionsND, sample_partitions_nd
 from .sampling import check_sigma
 from .seeding import stable_seed
+from .window.kind import NO_WINDOW, AlibiWindow, make_window, windows_in_sigmas
+from .window.theory import smallest_window
 
-__all__ = ["PartitionSchedule", "HeadsAttention", "PoslshAttention"]
+__all__ = ["PartitionSchedule", "HeadsAttention", "PoslshAttention", "AlibiAttention"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -244,3 +246,82 @@ class PoslshAttention(HeadsAttention):
             raise ValueError("grid: a dims=1 PoslshAttention attends sequences; build it with dims=2 for grids")
         return poslsh_attention(q, k, v, parts, causal=self.causal, backend=self.backend, cu_seqlens=cu_seqlens,
                                 document_ids=document_ids)
+
+
+class AlibiAttention(HeadsAttention):
+    """Multi-head attention with exact ALiBi, whole or cut at a window per head (the library's
+    recommendation for approximating ALiBi at long context, ``docs/frontier.md``). Arguments of
+    :class:`HeadsAttention`, and:
+
+    Args:
+        slopes: per-head ALiBi slopes ``[Hq]``, or by keyword ``sigma=`` ``[Hq]`` (``1 / slopes``; at most
+            one; default ALiBi's, :func:`poslsh.alibi_slopes` ``(Hq)``).
+        window: the windows (keys with ``|i - j| <= w_h`` attend): an int for every head, a sequence or
+            an int tensor ``[Hq]``. At most one of ``window``, ``window_sigmas`` and ``tol``; none of
+            them: exact ALiBi (every key; ``O(n^2 d)`` time, ``O(n)`` memory).
+        window_sigmas: ``c``: ``w_h = ceil(c sigma_h)`` (each dropped key weighs at most ``e^{-c}``
+            relative to the query itself).
+        tol, logit_range: the smallest windows whose dropped softmax mass is at most ``tol`` at any
+            length when the logits spread at most ``logit_range`` (:func:`poslsh.window.smallest_window`;
+            :func:`poslsh.window.logit_range` measures it on an input).
+        dims: 1 (sequences; there is no N-D window op: ``PoslshAttention(dims=2)`` attends grids).
+    """
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: int = 8, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, slopes=None, sigma=None, window=None,
+                 window_sigmas: Optional[float] = None, tol=None, logit_range=None, causal: bool = True,
+                 dims: int = 1, bias: bool = False, backend: str = "auto"):
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, causal=causal,
+                         bias=bias, backend=backend)
+        if dims != 1:
+            raise ValueError(f"dims: AlibiAttention attends sequences (dims=1), got {dims!r}; token grids: "
+                             "PoslshAttention(dims=2) or poslsh.reference.alibi_attention_nd")
+        slopes = one_rate(slopes, sigma, want="slopes", where="AlibiAttention",
+                          default=lambda: alibi_slopes(self.num_heads))
+        given = [name for name, value in (("window", window), ("window_sigmas", window_sigmas), ("tol", tol))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"AlibiAttention: pass at most one of window, window_sigmas and tol, got {given}")
+        if logit_range is not None and tol is None:
+            raise ValueError("logit_range: it sets the windows together with tol (the tolerance on the dropped mass)")
+        m = make_window(slopes, 0, self.num_heads).slopes          # checked: finite, >= 0, one per head
+        if window_sigmas is not None:
+            window = windows_in_sigmas(window_sigmas, slopes=m)
+        elif tol is not None:
+            if logit_range is None:
+                raise ValueError("tol: the windows of a tolerance need logit_range (a bound on the spread of "
+                                 "the logits; poslsh.window.logit_range measures it on an input)")
+            window = smallest_window(tol, slopes=m, logit_range=logit_range, causal=self.causal)
+        elif window is None:
+            window = NO_WINDOW
+        if isinstance(window, (list, tuple)):
+            window = torch.as_tensor(window, dtype=torch.int64)
+        self.window = make_window(m, window, self.num_heads)        # the layer's positional object
+        self._on: dict = {}                                          # device -> the window there
+
+    @property
+    def exact(self) -> bool:
+        """No window: exact ALiBi over every key."""
+        return bool((self.window.window == NO_WINDOW).all())
+
+    def extra_repr(self) -> str:
+        windows = "exact" if self.exact else self.window.window.tolist()
+        return super().extra_repr() + f", windows={windows}"
+
+    def positional(self, device=None) -> AlibiWindow:
+        """The layer's :class:`~poslsh.AlibiWindow` on ``device`` (cached: no copy per call)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device not in self._on:
+            self._on[device] = self.window.to(device)
+        return self._on[device]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, step: Optional[int] = None,
+               grid: Optional[Tuple[int, int]] = None, cu_seqlens: Optional[Tensor] = None,
+               document_ids: Optional[Tensor] = None) -> Tensor:
+        """Attention of ``q [B, Hq, n, d]`` over ``k, v [B, Hkv, n, d|dv]`` -> ``[B, Hq, n, dv]``;
+        ``cu_seqlens`` / ``document_ids``: packed documents. ``step`` is accepted and ignored (the
+        windows are fixed), so the module stands in for a :class:`PoslshAttention`."""
+        if grid is not None:
+            raise ValueError("grid: AlibiAttention attends sequences; token grids: PoslshAttention(dims=2)")
+        return attend(q, k, v, self.positional(q.device), causal=self.causal, backend=self.backend,
+                      cu_seqlens=cu_seqlens, document_ids=document_ids)

@@ -92,11 +92,13 @@ def test_module_without_projections_grids_and_documents():
         poslsh.PoslshAttention(8, 4, num_kv_heads=3)
 
 
-def test_example_model_trains_on_cpu():
-    """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text."""
+@pytest.mark.parametrize("attention", ["poslsh", "alibi-window"])
+def test_example_model_trains_on_cpu(attention):
+    """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text, on
+    positional LSH and on the ALiBi window."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.tiny_gpt import GPTConfig, train
-    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_samples=4)
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_samples=4, attention=attention)
     data = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 40), dtype=torch.long)
     _, losses = train(cfg, data, steps=40, batch=4, log_every=0)
     print(losses[:3], losses[-3:])
