@@ -1,4 +1,4 @@
-"""CPU benchmark: 2-D positional LSH (``poslsh_attention_2d``) vs exact 2-D ALiBi, side by side.
+"""CPU benchmark: 2-D positional LSH (``poslsh_attention_nd``) vs exact 2-D ALiBi, side by side.
 
 Configuration: float32, B = 1, H = 4 heads, d = 64, s = 10, non-causal (images), square grids of
 64 x 64 and 128 x 128 tokens (n = 4,096 and 16,384). Exact 2-D ALiBi is

@@ -5,7 +5,7 @@ For the trained model ``figure_method`` (seed 0) and its attention layer ``figur
 ``figure_samples`` and every image, fresh boxes are drawn and three errors measured per head:
 ``||L** - M~||`` (spectral), ``||L** - M~||_max`` (against the eq. (3) bound at ``delta``, which
 holds for any positional LSH) and ``||T** - T~||_max`` (exact 2-D ALiBi attention against
-:func:`poslsh.poslsh_attention_2d`, float64). Mean +- std over images, log-log.
+:func:`poslsh.poslsh_attention_nd`, float64). Mean +- std over images, log-log.
 """
 from __future__ import annotations
 

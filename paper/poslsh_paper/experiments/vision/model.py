@@ -9,7 +9,7 @@ linear head. The positional method lives in the attention:
   higher resolution), with no further training: the only way learned positions reach 4x the tokens.
 * ``alibi-1d``: ALiBi on the raster index, bias ``-|i - j| / sigma_h`` (exact, dense).
 * ``alibi-2d``: 2-D ALiBi, bias ``-||x_i - x_j||_1 / sigma_h`` (exact, dense).
-* ``poslsh``: 2-D positional LSH with ``s`` random boxes per head (:func:`poslsh.poslsh_attention_2d`):
+* ``poslsh``: 2-D positional LSH with ``s`` random boxes per head (:func:`poslsh.poslsh_attention_nd`):
   fresh boxes per training step and layer, fixed ones per layer in eval mode.
 * ``fixed-boxes``: one fixed partition into ``fixed_box x fixed_box`` patch boxes per head.
 
