@@ -1,4 +1,4 @@
-"""CPU benchmark: 2-D positional LSH (``poslsh_attention_2d``) vs exact 2-D ALiBi, side by side.
+"""CPU benchmark: 2-D positional LSH (``poslsh_attention_nd``) vs exact 2-D ALiBi, side by side.
 
 Configuration: float32, B = 1, H = 4 heads, d = 64, s = 10, non-causal (images), square grids of
 64 x 64 and 128 x 128 tokens (n = 4,096 and 16,384). Exact 2-D ALiBi is
@@ -49,15 +49,15 @@ def time_poslsh(G: int, sigma, repeats: int, backward: bool = False) -> float:
     q, k, v, parts = inputs(G, sigma)
     if not backward:
         with torch.no_grad():
-            return median_cpu_and_wall(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)), repeats)
+            return median_cpu_and_wall(lambda: poslsh.poslsh_attention_nd(q, k, v, parts, grid=(G, G)), repeats)
     for t in (q, k, v):
         t.requires_grad_(True)
-    return median_cpu_and_wall(lambda: poslsh.poslsh_attention_2d(q, k, v, parts, (G, G)).sum().backward(), repeats)
+    return median_cpu_and_wall(lambda: poslsh.poslsh_attention_nd(q, k, v, parts, grid=(G, G)).sum().backward(), repeats)
 
 
 def time_exact(G: int, sigma, repeats: int) -> float:
     q, k, v, _ = inputs(G, sigma)
-    mask = poslsh.alibi_bias_nd(poslsh.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
+    mask = poslsh.reference.alibi_bias_nd(poslsh.partitions_nd.grid_coords(G, G), 1.0 / torch.tensor(sigma, dtype=torch.float64),
                                 dtype=torch.float32)[None]
     with torch.no_grad():
         return median_cpu_and_wall(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)

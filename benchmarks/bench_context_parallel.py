@@ -13,7 +13,7 @@ also get home).
 Computed (no processes): the same bytes from the partitions alone (exact halos from
 :func:`poslsh.distributed.key_ranges`) for ``P`` up to 1024 and ``n`` up to 16M, for a
 larger model (32 query / 8 key-value heads, d = 128, bf16); the measured rows check the
-model. The same for the ALiBi window (:class:`poslsh.alibi.AlibiWindow`, halo ``max_h w_h``). K/V rows held per rank: ``n / P + halo`` (halo scheme) vs ``2 n / P`` (ring: own
+model. The same for the ALiBi window (:class:`poslsh.AlibiWindow`, halo ``max_h w_h``). K/V rows held per rank: ``n / P + halo`` (halo scheme) vs ``2 n / P`` (ring: own
 shard and one in flight).
 
 Prints markdown tables, writes ``outputs/bench_context_parallel.json`` atomically (the committed
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import poslsh
-from poslsh.alibi import make_window
+from poslsh.window import make_window
 from poslsh.distributed import (comm_stats, context_parallel_attention, gather_layout, halo_exchange, key_ranges,
                                 shard_range)
 from bench_common import machine, markdown_table, write_json

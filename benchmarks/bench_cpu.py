@@ -15,7 +15,7 @@ Configuration: float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
 
 * the rival: positional LSH against exact ALiBi cut at per-head windows on the same engine
   (``windowed_alibi_attention``, torch backend) — at the cost-matched window (the keys per
-  query of positional LSH at s, :func:`poslsh.cost.cost_matched_window`) and at 4 and 8 sigma —
+  query of positional LSH at s, :func:`poslsh.window.cost_matched_window`) and at 4 and 8 sigma —
   and against dense SDPA + mask, forward and forward + backward at n=16384 and 65536,
   interleaved rounds, best of each; prints the ratios (``--rival-only`` runs just this).
 
@@ -73,7 +73,7 @@ def run_poslsh(n: int, repeats: int, backward: bool = False) -> float:
 
 def run_sdpa_alibi(n: int, repeats: int) -> float:
     q, k, v, _ = inputs(n)
-    mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
+    mask = poslsh.alibi.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
     with torch.no_grad():
         return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
 
@@ -81,7 +81,7 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
 def rival_comparison(lengths, rounds: int) -> dict:
     """Best wall / CPU seconds of interleaved rounds: poslsh s=S, the ALiBi window at the cost of
     s=S and at 4 and 8 sigma (all on the torch backend), and dense SDPA + ALiBi mask (n <= 16384)."""
-    from poslsh.cost import cost_matched_window
+    from poslsh.window import cost_matched_window
     sigma, slopes = poslsh.alibi_sigmas(H), poslsh.alibi_slopes(H)
     windows = {f"window at the cost of s={S}": cost_matched_window(sigma, S),
                "window 4 sigma": torch.round(4 * sigma).long(), "window 8 sigma": torch.round(8 * sigma).long()}
@@ -94,7 +94,7 @@ def rival_comparison(lengths, rounds: int) -> dict:
             calls[name] = (lambda w: lambda q, k, v: poslsh.windowed_alibi_attention(
                 q, k, v, slopes, window=w, causal=True, backend="torch"))(w)
         if n <= 16384:
-            mask = poslsh.alibi_bias(n, slopes, causal=True, dtype=torch.float32)[None]
+            mask = poslsh.alibi.alibi_bias(n, slopes, causal=True, dtype=torch.float32)[None]
             calls["dense SDPA + ALiBi mask"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         grads = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         modes = {"forward": lambda f: (lambda: f(q, k, v)),
@@ -132,7 +132,7 @@ IID_GRID = (1, 2, 3, 5, 7, 10, 14, 20, 30, 40, 60, 80, 120, 160, 240, 320)
 
 def mean_max_error(s: int, method: str, draws: int, n: int = 1024) -> float:
     """Mean ``||L* - M~||_max`` over ``draws`` draws x the 4 heads (seeded)."""
-    errs = [theory.max_norm_error(poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=1000 + r, method=method),
+    errs = [theory.max_norm_error(poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=1000 + r, sampler=method),
                                   n) for r in range(draws)]
     return float(torch.cat(errs).mean())
 
@@ -161,7 +161,7 @@ def sampler_comparison(n: int, repeats: int, draws: int, samples=(5, 10, 20)) ->
     iid_err = {s: mean_max_error(s, "iid", draws) for s in IID_GRID}
 
     def setup(s: int, method: str):
-        parts = poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=0, method=method)
+        parts = poslsh.sample_partitions(poslsh.alibi_sigmas(H), s, seed=0, sampler=method)
         return parts, {"s": s, "method": method, "max_block": parts.max_block_size(n), "times": [], "cpu": []}
 
     rows = []
@@ -250,7 +250,7 @@ def spread(fn, repeats: int) -> dict:
 def busy_comparison(n: int, repeats: int, procs: int, threads: int) -> dict:
     """poslsh forward and SDPA + ALiBi mask at ``n``, quiet and under the standard load."""
     q, k, v, parts = inputs(n)
-    mask = poslsh.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
+    mask = poslsh.alibi.alibi_bias(n, poslsh.alibi_slopes(H), causal=True, dtype=torch.float32)[None]
     fns = {"poslsh torch, forward": lambda: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend="torch"),
            "SDPA + ALiBi mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
     out = {}

@@ -77,7 +77,7 @@ def dry_case(case: Case) -> Case:
 def partitions(case: Case):
     from poslsh.sampling import parse_sampler
     method, group = parse_sampler(case.sampler)
-    return poslsh.sample_partitions(poslsh.alibi_sigmas(case.H), case.s, seed=case.seed, method=method,
+    return poslsh.sample_partitions(poslsh.alibi_sigmas(case.H), case.s, seed=case.seed, sampler=method,
                                     group_size=group).to(case.device)
 
 

@@ -1,10 +1,12 @@
-"""A decoder-only language model on ``poslsh.PoslshAttention``, in one sitting (nanoGPT size).
+"""A decoder-only language model on ``poslsh.PoslshAttention`` or ``poslsh.AlibiAttention``, in one
+sitting (nanoGPT size).
 
-Character-level, pre-norm blocks, no positional embedding at all: positional LSH in every
-attention layer is the model's only sense of order (an ALiBi estimate, so it runs at lengths it
-was never trained on). Train it on any text file, on the CPU::
+Character-level, pre-norm blocks, no positional embedding at all: the attention's ALiBi bias is the
+model's only sense of order, estimated by positional LSH (``--attention poslsh``, the default) or exact
+inside a window of ``window_sigmas`` bandwidths per head (``--attention alibi-window``), so it runs at
+lengths it was never trained on. Train it on any text file, on the CPU::
 
-    python examples/tiny_gpt.py --preset tiny --steps 300 --text /usr/share/doc/python3.11/README.rst
+    python examples/tiny_gpt.py --preset tiny --steps 300 --text /usr/share/doc/python3.11/html/library/functions.html
 
 (any UTF-8 text works; the Debian package ``python3.11-doc`` has plenty). ``--preset nano`` is
 nanoGPT's "baby" size (6 layers, 6 heads, 384 wide). Partitions: fresh per (seed, step, layer) in
@@ -34,8 +36,10 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 2             # GQA
     n_embd: int = 64
+    attention: str = "poslsh"      # "poslsh" (PoslshAttention) or "alibi-window" (AlibiAttention)
     num_samples: int = 10          # positional LSH: partitions per head
     sampler: str = "iid"
+    window_sigmas: float = 4.0     # the window: w_h = ceil(window_sigmas * sigma_h)
     seed: int = 0
 
 
@@ -49,9 +53,15 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.attn = poslsh.PoslshAttention(cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head,
-                                           num_samples=cfg.num_samples, sampler=cfg.sampler, causal=True,
-                                           layer=layer, seed=cfg.seed)
+        if cfg.attention == "alibi-window":
+            self.attn = poslsh.AlibiAttention(cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head,
+                                              window_sigmas=cfg.window_sigmas, causal=True)
+        elif cfg.attention == "poslsh":
+            self.attn = poslsh.PoslshAttention(cfg.n_embd, cfg.n_head, num_kv_heads=cfg.n_kv_head,
+                                               num_samples=cfg.num_samples, sampler=cfg.sampler, causal=True,
+                                               layer=layer, seed=cfg.seed)
+        else:
+            raise ValueError(f"attention must be 'poslsh' or 'alibi-window', got {cfg.attention!r}")
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
 
     def forward(self, x: Tensor, step: Optional[int]) -> Tensor:
@@ -129,8 +139,9 @@ def main() -> None:
     ap.add_argument("--text", type=Path, help="a UTF-8 text file (default: this file)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--samples", type=int, help="positional LSH samples per head (default: the preset's)")
+    ap.add_argument("--attention", choices=("poslsh", "alibi-window"), default="poslsh")
     args = ap.parse_args()
-    cfg = PRESETS[args.preset]
+    cfg = replace(PRESETS[args.preset], attention=args.attention)
     if args.samples:
         cfg = replace(cfg, num_samples=args.samples)
     text = (args.text or Path(__file__)).read_bytes()

@@ -49,8 +49,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False, any_le
     if Bk != B:
         raise ValueError(f"batch size of q ({B}) and k/v ({Bk}) differ")
     if nk != n and not (kv_cache and nk > n) and not (any_lengths and nk >= 1):
-        raise ValueError(f"q has seqlen {n} but k/v have {nk}: self-attention needs equal lengths "
-                         "(pass q_start/k_start to attend to keys at other positions)")
+        raise ValueError(positions_needed(n, nk, "self-attention"))
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and k ({dk}) differ")
     if n < 1:
@@ -75,11 +74,11 @@ def check_scale(scale: Optional[float], head_dim: int) -> float:
     return scale
 
 
-def check_heads(positional, num_heads: int) -> None:
-    """The partitions (or window) of a call must have one entry per query head."""
-    if positional.num_heads != num_heads:
-        what = "slopes and window give" if type(positional).__name__ == "AlibiWindow" else "partitions were built for"
-        raise ValueError(f"{what} {positional.num_heads} heads but q has {num_heads} query heads")
+def positions_needed(nq: int, nk: int, where: str) -> str:
+    """The one message of the positions rule: unequal query and key counts need explicit positions."""
+    return (f"{where}: q has seqlen {nq} but k/v have {nk}: pass q_start (and k_start), the positions of the "
+            f"first query and key; flash-attention's bottom-right alignment (the queries are the last {nq} keys) "
+            f"is q_start = k_start + nk - nq")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

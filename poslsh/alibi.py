@@ -7,14 +7,15 @@ paper's notation the attention weights are multiplied by
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "AlibiWindow", "make_window"]
+from ._compat import one_rate, takes_slopes_too
+from ._validation import positions_needed
+
+__all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "as_per_head"]
 
 
 def _power_of_two_slopes(num_heads: int) -> list[float]:
@@ -49,7 +50,8 @@ def alibi_sigmas(num_heads: int, *, device=None) -> Tensor:
     return 1.0 / alibi_slopes(num_heads, device=device)
 
 
-def _as_1d(values, name: str) -> Tensor:
+def as_per_head(values, name: str) -> Tensor:
+    """Per-head values as a 1-D tensor (a number is one head; raises naming ``name`` otherwise)."""
     t = values if isinstance(values, Tensor) else torch.as_tensor(values, dtype=torch.float64)
     if t.dim() == 0:
         t = t.reshape(1)
@@ -58,20 +60,22 @@ def _as_1d(values, name: str) -> Tensor:
     return t
 
 
-def alibi_bias(n: int, slopes, *, causal: bool = False, dtype: torch.dtype = torch.float32,
-               device=None, num_queries: Optional[int] = None) -> Tensor:
-    """Dense additive ALiBi bias, shape ``[H, nq, n]``: ``-m_h * |i - j|``.
-
-    Rows are the last ``nq = num_queries`` positions (default ``n``: all of them;
-    fewer for queries decoded against a KV cache of ``n`` keys). With
-    ``causal=True`` keys after the query get ``-inf``. This is a dense tensor:
-    meant for references, tests, baselines and short decoding steps.
+def alibi_bias(n: int, slopes=None, *, causal: bool = False, dtype: torch.dtype = torch.float32,
+               device=None, num_queries: Optional[int] = None, q_start: Optional[int] = None, sigma=None) -> Tensor:
+    """Dense additive ALiBi bias, shape ``[H, nq, n]``: ``-m_h * |i - j|`` for the keys at positions
+    ``[0, n)`` and the ``nq = num_queries`` queries at ``[q_start, q_start + nq)`` (default ``nq = n``,
+    ``q_start = 0``: self-attention; ``nq != n`` needs ``q_start``, e.g. ``n - nq`` for new tokens
+    against a cache of ``n`` keys, flash-attention's bottom-right alignment). ``slopes`` ``[H]``, or by
+    keyword ``sigma=`` ``[H]`` (``1 / m_h``). With ``causal=True`` keys after the query get ``-inf``.
+    This is a dense tensor: meant for references, tests, baselines and short decoding steps.
     """
-    slopes = _as_1d(slopes, "slopes")
+    slopes = as_per_head(one_rate(slopes, sigma, want="slopes", where="alibi_bias"), "slopes")
     device = slopes.device if device is None else device
     nq = n if num_queries is None else int(num_queries)
+    if q_start is None and nq != n:
+        raise ValueError(positions_needed(nq, n, "alibi_bias(num_queries=...)"))
     kpos = torch.arange(n, device=device, dtype=torch.float64)
-    qpos = kpos[n - nq:]
+    qpos = torch.arange(nq, device=device, dtype=torch.float64) + (q_start or 0)
     dist = (qpos[:, None] - kpos[None, :]).abs()
     bias = -slopes.to(device=device, dtype=torch.float64)[:, None, None] * dist
     if causal:
@@ -79,71 +83,12 @@ def alibi_bias(n: int, slopes, *, causal: bool = False, dtype: torch.dtype = tor
     return bias.to(dtype)
 
 
+@takes_slopes_too
 def alibi_matrix(n: int, sigma, *, device=None) -> Tensor:
-    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]``."""
-    sigma = _as_1d(sigma, "sigma").to(torch.float64)
+    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]`` (``sigma`` ``[H]``, or by
+    keyword ``slopes=``)."""
+    sigma = as_per_head(sigma, "sigma").to(torch.float64)
     device = sigma.device if device is None else device
     pos = torch.arange(n, device=device, dtype=torch.float64)
     dist = (pos[:, None] - pos[None, :]).abs()
     return torch.exp(-dist / sigma.to(device)[:, None, None])
-
-
-@dataclass(frozen=True)
-class AlibiWindow:
-    """Exact ALiBi cut at a window per head: head ``h`` keeps the keys with ``|i - j| <= window[h]``
-    and gives them the ALiBi logit bias ``-slopes[h] * |i - j|``; every other key gets no weight.
-
-    Attributes:
-        slopes: float64 ``[H]``, ``m_h >= 0`` (``1 / sigma_h``).
-        window: int64 ``[H]``, ``w_h >= 0`` (0: a query sees itself only; ``>= n``: exact ALiBi).
-    """
-
-    slopes: Tensor
-    window: Tensor
-
-    @property
-    def num_heads(self) -> int:
-        return self.slopes.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.slopes.device
-
-    def to(self, device) -> "AlibiWindow":
-        if self.slopes.device == torch.device(device):
-            return self
-        return AlibiWindow(self.slopes.to(device), self.window.to(device))
-
-
-def _require(ok: Tensor, message: str) -> None:
-    """A check on tensor values: a ValueError eagerly; inside torch.compile a runtime assert with the
-    same message (a Python ``bool`` of a traced tensor would break the graph)."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(ok, message)
-    elif not bool(ok):
-        raise ValueError(message)
-
-
-def make_window(slopes, window: Union[int, Tensor], num_heads: Optional[int] = None) -> AlibiWindow:
-    """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``) and ``window`` (an int for every head,
-    or ``[H]`` integers ``>= 0``) into an :class:`AlibiWindow`; ``num_heads``, when given, must match."""
-    m = _as_1d(slopes, "slopes").detach().to(torch.float64)
-    _require(torch.isfinite(m).all() & (m >= 0).all(), "slopes: ALiBi slopes must be finite and >= 0")
-    if num_heads is not None and m.numel() != num_heads:
-        raise ValueError(f"slopes: got {m.numel()} slopes for {num_heads} query heads")
-    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
-        w = torch.full((m.numel(),), int(window), dtype=torch.int64, device=m.device)
-    elif isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
-        if window.dtype.is_floating_point:
-            _require((window == window.round()).all(), "window: per-head windows must be whole numbers of positions")
-        w = window.detach().reshape(-1).to(device=m.device, dtype=torch.int64)
-        if w.numel() == 1:
-            w = w.expand(m.numel()).clone()
-    else:
-        raise TypeError(f"window must be an int or an integer tensor [H] of per-head windows, got "
-                        f"{type(window).__name__}")
-    if w.numel() != m.numel():
-        raise ValueError(f"window: got {w.numel()} windows for {m.numel()} heads")
-    _require((w >= 0).all(), "window: windows must be >= 0 (keys with |i - j| <= window attend), got "
-             + ("a negative one" if torch.compiler.is_compiling() else str(w.tolist())))
-    return AlibiWindow(m, w)

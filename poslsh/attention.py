@@ -1,37 +1,46 @@
-"""The public 1-D ops and their dispatcher: ``poslsh_attention`` (positional LSH) and
-``windowed_alibi_attention`` (exact ALiBi cut at per-head windows, the strongest baseline)."""
+"""The public ops and their one dispatcher: :func:`attend` (any positional object),
+:func:`poslsh_attention` (positional LSH on a sequence) and :func:`poslsh_attention_nd` (positional
+LSH over token coordinates: a 2-D grid); the window op, :func:`poslsh.windowed_alibi_attention`, lives in its
+room (:mod:`poslsh.window`) and dispatches here too.
+
+Every call goes the same way: validate (shapes, the object's heads and layout, positions, packed
+documents), ask the registry for the backend of the object's op (:mod:`poslsh.ops.registry`), check
+that the keys hold every key the queries can see (:func:`poslsh.ops.call.check_covered`, on every
+backend), run it.
+"""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ._validation import AttnShape, check_heads, check_qkv, check_scale
-from .alibi import make_window
+from ._compat import warn_once
+from ._validation import check_qkv, check_scale
 from .documents import make_documents
 from .ops import load_backends, registry
-from .ops.torch_plan import Span
-from .partitions import Partitions
+from .ops.call import Call, Span, check_covered, make_span  # noqa: F401  (Span, make_span: the call contract)
+from .positional import Positional, check_positional
 
-__all__ = ["poslsh_attention", "windowed_alibi_attention", "available_backends"]
+__all__ = ["attend", "poslsh_attention", "poslsh_attention_nd", "available_backends"]
 
 
 def available_backends(q: Optional[Tensor] = None, op: str = "sequence") -> List[str]:
-    """Names of the backends implementing ``op`` (``"sequence"``, ``"window"`` or ``"grid"``),
+    """Names of the backends implementing ``op`` (``"sequence"``, ``"window"`` or ``"nd"``),
     those that can run on ``q``'s device and dtype when ``q`` is given."""
     load_backends()
-    if op not in registry.OPS:
-        raise ValueError(f"op must be one of {registry.OPS}, got {op!r}")
+    op = registry.check_op(op)
     return [b.name for b in registry.registered(op) if q is None or b.can_run(q)]
 
 
-_POSITIONS_DOC = """
+POSITIONS_DOC = """
         q_start, k_start: int positions of the first query and the first key in the sequence
-            (default 0 and no ``seq_len``: self-attention). Otherwise the queries
-            ``[q_start, q_start + n)`` attend to the keys ``[k_start, k_start + nk)``, e.g.
-            new tokens against a KV cache, or a shard against its halo; the keys must
-            hold every key those queries can see (checked: a ValueError names the gap).
+            (default: self-attention, ``nk = n``). Otherwise the queries
+            ``[q_start, q_start + n)`` attend to the keys ``[k_start, k_start + nk)`` (a missing one is 0),
+            e.g. new tokens against a KV cache, or a shard against its halo; the keys must
+            hold every key those queries can see (checked on every backend: a ValueError names the gap).
+            With ``nk != n`` the positions are required: flash-attention's bottom-right alignment
+            (the queries are the last ``n`` keys) is ``q_start = k_start + nk - n``.
         seq_len: int, the sequence length (blocks and windows end there); needed for non-causal
             attention at other positions, where keys to the right count too.
         cu_seqlens: packed documents, flash-attention's convention: int ``[D + 1]`` offsets
@@ -57,10 +66,26 @@ _POSITIONS_DOC = """
         (the message lists the backends that can)."""
 
 
-def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *, causal: bool = False,
-                     scale: Optional[float] = None, backend: str = "auto", q_start: int = 0, k_start: int = 0,
-                     seq_len: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                     document_ids: Optional[Tensor] = None, return_lse: bool = False):
+def attend(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal: bool = False,
+           scale: Optional[float] = None, backend: str = "auto", q_start: Optional[int] = None,
+           k_start: Optional[int] = None, seq_len: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
+           document_ids: Optional[Tensor] = None, return_lse: bool = False,
+           grid: Optional[Tuple[int, int]] = None):
+    """Attention with any positional object (:mod:`poslsh.positional`): positional LSH for
+    :class:`~poslsh.Partitions`, exact ALiBi in windows for an :class:`~poslsh.AlibiWindow`, boxes
+    for a :class:`~poslsh.PartitionsND` (with ``grid=(height, width)``): the object's op
+    (``positional.op``) on the backend the registry picks. Arguments as in the ops."""
+    check_positional(positional)
+    return _dispatch(q, k, v, positional, causal=causal, scale=scale, backend=backend, q_start=q_start,
+                     k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,
+                     return_lse=return_lse, grid=grid)
+
+
+def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions, *, causal: bool = False,
+                     scale: Optional[float] = None, backend: str = "auto", q_start: Optional[int] = None,
+                     k_start: Optional[int] = None, seq_len: Optional[int] = None,
+                     cu_seqlens: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
+                     return_lse: bool = False):
     """Positional-LSH approximation of ALiBi attention (paper section 4).
 
     Computes, for every query ``i``,
@@ -82,58 +107,69 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions: Partitions, *,
             linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory; every feature), ``"triton"``
             (fused GPU kernel, CUDA tensors, self-attention) or ``"reference"`` (dense ``n x n``);
             :func:`available_backends` lists them."""
-    if not isinstance(partitions, Partitions):
-        raise TypeError(f"partitions must be a poslsh.Partitions, got {type(partitions).__name__}")
-    return _dispatch("sequence", q, k, v, partitions, causal=causal, scale=scale, backend=backend, q_start=q_start,
+    check_positional(partitions, "partitions", op="sequence")
+    return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, q_start=q_start,
                      k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,
                      return_lse=return_lse)
 
 
-def windowed_alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, window: Union[int, Tensor],
-                             causal: bool = False, scale: Optional[float] = None, backend: str = "auto",
-                             q_start: int = 0, k_start: int = 0, seq_len: Optional[int] = None,
-                             cu_seqlens: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
-                             return_lse: bool = False):
-    """Exact ALiBi attention cut at a window per head: the strongest baseline of positional LSH.
+poslsh_attention.__doc__ += POSITIONS_DOC
 
-    Computes ``softmax_j(scale * q_i . k_j - m_h |i - j|) v_j`` over the keys with
-    ``|i - j| <= window_h`` (and ``j <= i`` when ``causal``): exact ALiBi inside the window, no
-    weight outside. Cost per query ``O(window_h)`` keys; the dropped tail is bounded by
-    :func:`poslsh.theory.window_error_bound` and :func:`poslsh.theory.alibi_window` gives the
-    smallest window for a tolerance. The log-sum-exp is ``log sum_j e^{s_ij - m_h |i - j|}``.
+
+def poslsh_attention_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *, grid: Optional[Tuple[int, int]] = None,
+                        causal: bool = False, scale: Optional[float] = None, backend: str = "auto",
+                        return_lse: bool = False):
+    """Positional-LSH approximation of N-D ALiBi attention (paper section 5), over an image's 2-D patch grid.
+
+    Computes, for every query ``i`` (grid cell ``x_i``),
+    ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``
+    with ``s_ij = scale * q_i . k_j``, where ``box_t(i)`` is the box of ``x_i`` in sample ``t``:
+    the 2-D ALiBi weights ``exp(-||x_i - x_j||_1 / sigma)`` replaced by the mean box mask ``M~``.
+    Every batch row is one image on the same grid.
 
     Args:
-        q: ``[B, Hq, n, d]`` queries (float16, bfloat16, float32 or float64).
-        k: ``[B, Hkv, nk, d]`` keys (``nk = n`` for self-attention); ``Hq`` a multiple of ``Hkv``
-            (GQA: query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
-        v: ``[B, Hkv, nk, dv]`` values.
-        slopes: ``[Hq]`` ALiBi slopes ``m_h = 1 / sigma_h`` (:func:`poslsh.alibi_slopes`), finite, ``>= 0``.
-        window: keys with ``|i - j| <= window`` attend: an int for every head, or int ``[Hq]``
-            (0: each query sees itself only; ``>= n``: exact ALiBi). Positions are absolute with
-            ``q_start`` / ``k_start`` and restart in every packed document.
-        causal: attend only to keys at positions ``<= i``.
+        q: ``[B, Hq, n, d]`` queries, ``n = height * width`` tokens in raster order (row-major).
+        k: ``[B, Hkv, n, d]`` keys; ``Hq`` a multiple of ``Hkv`` (GQA: query head ``h`` uses
+            key/value head ``h // (Hq // Hkv)``).
+        v: ``[B, Hkv, n, dv]`` values.
+        partitions: :class:`~poslsh.PartitionsND` with ``Hq`` heads and 2 axes (rows, columns),
+            e.g. ``sample_partitions_nd(sigma, num_samples)`` or ``PartitionsND.fixed_blocks(Hq, (4, 4))``.
+        grid: ``(height, width)`` of the token grid (keyword-only).
+        causal: raster-causal: token ``i`` attends to tokens ``j <= i`` only.
         scale: logit scale, default ``1 / sqrt(d)``.
-        backend: ``"auto"``, ``"torch"`` (the window as one block per query on the tiles of
-            positional LSH: ``O(n (w + 64) d)`` time, ``O(n)`` memory; every feature) or
-            ``"reference"`` (dense ``n x n``); :func:`available_backends` with ``op="window"``
-            lists them."""
-    positional = make_window(slopes, window)
-    return _dispatch("window", q, k, v, positional, causal=causal, scale=scale, backend=backend, q_start=q_start,
-                     k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,
-                     return_lse=return_lse)
+        backend: ``"auto"`` / ``"torch"`` (near linear: query tiles against the bounding box of
+            their samples' boxes, ``O(n (d + s))`` memory, no ``n x n`` tensor) or ``"reference"``
+            (the dense float64-capable oracle, ``n x n``); ``available_backends(op="nd")``.
+        return_lse: also return ``log sum_j count_ij e^{s_ij}``, ``[B, Hq, n]`` (float32, float64
+            for float64 input): the ``"reference"`` backend only, so far.
+
+    Returns:
+        ``[B, Hq, n, dv]`` in ``q.dtype`` (and the lse). Differentiable in ``q``, ``k``, ``v``. No positions
+        (``q_start``), packed documents or lse on the torch backend: the op attends whole grids.
+    """
+    check_positional(partitions, "partitions", op="nd")
+    return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, return_lse=return_lse, grid=grid)
 
 
-poslsh_attention.__doc__ += _POSITIONS_DOC
-windowed_alibi_attention.__doc__ += _POSITIONS_DOC
+def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple[int, int], **kwargs):
+    """The former name of :func:`poslsh_attention_nd`, with its grid in its old place (kept for one release)."""
+    warn_once("poslsh_attention_2d", "poslsh_attention_2d(q, k, v, partitions, grid) is now poslsh_attention_nd(q, k, "
+              "v, partitions, grid=grid) (one spelling for the N-D family); the old name goes in the next release")
+    return poslsh_attention_nd(q, k, v, partitions, grid=grid, **kwargs)
 
 
-def _dispatch(op: str, q: Tensor, k: Tensor, v: Tensor, positional, *, causal, scale, backend, q_start, k_start,
-              seq_len, cu_seqlens, document_ids, return_lse):
-    """Validate a call, pick its backend from the registry and run it."""
-    spans = bool(q_start or k_start or seq_len is not None)
+def _dispatch(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal, scale, backend, q_start=None,
+              k_start=None, seq_len=None, cu_seqlens=None, document_ids=None, return_lse=False, grid=None):
+    """Validate a call, pick its backend from the registry, check the keys cover the queries, run it."""
+    explicit = q_start is not None or k_start is not None
+    unequal = isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4 and q.shape[2] != k.shape[2]
+    spans = bool(q_start) or bool(k_start) or seq_len is not None or (explicit and unequal)
     shape = check_qkv(q, k, v, any_lengths=spans)
-    check_heads(positional, shape.q_heads)
+    positional.check_heads(shape.q_heads)
+    grid = positional.check_layout(shape.seqlen, grid)
     scale = check_scale(scale, shape.head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     documents = make_documents(shape.batch, shape.seqlen, cu_seqlens=cu_seqlens, document_ids=document_ids,
@@ -144,23 +180,22 @@ def _dispatch(op: str, q: Tensor, k: Tensor, v: Tensor, positional, *, causal, s
                          "document)")
     span = make_span(shape, causal, q_start, k_start, seq_len) if spans else None
     load_backends()
-    call = registry.Call(q, k, v, positional, shape, bool(causal), scale, span, documents, return_lse)
-    chosen = registry.resolve(backend, op, q, call.needs())
+    call = Call(q, k, v, positional, shape, causal, scale, span, documents, return_lse, grid)
+    chosen = registry.resolve(backend, positional.op, q, call.needs())
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or q.device.type == "meta":
-        out, lse = _degenerate(op, call, backend=chosen.name, positions=dict(
-            q_start=q_start, k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids))
+        positions = dict(q_start=q_start, k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens,
+                         document_ids=document_ids, grid=grid)
+        rerun = dict(causal=causal, scale=scale, backend=chosen.name, return_lse=return_lse, **positions)
+        out, lse = degenerate_call(call, lambda q, k, v: _dispatch(q, k, v, positional, **rerun))
     else:
-        out, lse = chosen.fns[op](call._replace(positional=positional.to(q.device)))
+        call = call._replace(positional=positional.to(q.device))
+        if span is not None:
+            check_covered(call.positional, span, causal)
+        out, lse = chosen.fns[positional.op](call)
     return (out, lse) if return_lse else out
 
 
-def _degenerate(op: str, call: registry.Call, *, backend: str, positions: dict):
-    """Empty tensors and the meta device of a 1-D op (see :func:`degenerate_call`)."""
-    rerun = dict(causal=call.causal, scale=call.scale, backend=backend, return_lse=call.return_lse, **positions)
-    return degenerate_call(call, lambda q, k, v: _dispatch(op, q, k, v, call.positional, **rerun))
-
-
-def degenerate_call(call: registry.Call, rerun: Callable[[Tensor, Tensor, Tensor], object]):
+def degenerate_call(call: Call, rerun: Callable[[Tensor, Tensor, Tensor], object]):
     """Empty tensors (batch 0, head_dim 0, value dim 0) and the meta device (shape inference):
     the exact ``(out, lse)`` without running a kernel on empty tensors. ``rerun(q, k, v)`` calls
     the public op again (with ``return_lse`` as the call asked) on padded inputs: with head_dim 0
@@ -182,20 +217,3 @@ def degenerate_call(call: registry.Call, rerun: Callable[[Tensor, Tensor, Tensor
     result = rerun(q, k, pad(v) if shape.v_dim == 0 else v)
     out, lse = result if call.return_lse else (result, None)
     return (out[..., :0] if shape.v_dim == 0 else out), lse
-
-
-def make_span(shape: AttnShape, causal: bool, q_start: int, k_start: int, seq_len: Optional[int]) -> Span:
-    """Validate the positions of a call with queries and keys at given positions."""
-    for name, value in (("q_start", q_start), ("k_start", k_start)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    q_end, k_end = q_start + shape.seqlen, k_start + shape.kv_len
-    if seq_len is None:
-        if not causal:
-            raise ValueError("seq_len: non-causal attention at given positions needs the sequence length "
-                             "(keys to the right of the queries count too)")
-        seq_len = max(q_end, k_end)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < max(q_end, k_end):
-        raise ValueError(f"seq_len must be an int >= the last query and key position + 1 "
-                         f"({max(q_end, k_end)}), got {seq_len!r}")
-    return Span(q_start, k_start, shape.seqlen, shape.kv_len, seq_len)

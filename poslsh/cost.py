@@ -1,4 +1,5 @@
-"""What a query costs: the keys it visits under positional LSH and under an ALiBi window.
+"""What a query costs under positional LSH: the keys it visits (the window's cost and the window of
+equal cost are in its room, :mod:`poslsh.window.cost`).
 
 A query at position ``i`` visits the union of its ``s`` blocks. Under random binning the distance
 ``back_t`` from ``i`` back to the start of its block in sample ``t`` satisfies, for integers
@@ -10,9 +11,8 @@ so far from the sequence's ends
     ``E[keys] = 1 + E[max_t back_t] (+ E[max_t fwd_t]),
     E[max_t back_t] = sum_{x >= 1} (1 - (1 - e^{-x / sigma})^s)  (~ sigma H_s, H_s the harmonic number)``
 
-(expectation is linear, so the two-sided count needs no joint law). A window of ``w`` keeps
-``w + 1`` keys per causal query (``2 w + 1`` two-sided). These are the expected values for i.i.d.
-samples; correlated samplers (``"grouped"``) have smaller unions, measured rather than computed.
+(expectation is linear, so the two-sided count needs no joint law). These are the expected values
+for i.i.d. samples; correlated samplers (``"grouped"``) have smaller unions, measured rather than computed.
 """
 from __future__ import annotations
 
@@ -21,43 +21,43 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["poslsh_keys_per_query", "window_keys_per_query", "cost_matched_window"]
+from ._compat import one_rate, renamed_keywords, takes_slopes_too
+
+__all__ = ["poslsh_keys_per_query", "expected_reach", "check_num_samples_int"]
 
 
-def _sigma(sigma) -> Tensor:
+def check_sigma(sigma) -> Tensor:
     s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
     if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
         raise ValueError(f"sigma must be finite and > 0, got {s.tolist()}")
     return s
 
 
-def _mean_max_back(sigma: Tensor, s: int) -> Tensor:
-    """``E[max of s distances back to the block start]`` per sigma (the series, to 1e-12 relative)."""
+def check_num_samples_int(num_samples) -> int:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    return num_samples
+
+
+@takes_slopes_too
+def expected_reach(sigma, num_samples: int) -> Tensor:
+    """``E[max_t back_t]`` per head (float64 ``[H]``): how far back (or forward) the union of
+    ``num_samples`` i.i.d. blocks reaches from a query, far from the ends (the series, to 1e-12 relative)."""
+    sigma, num_samples = check_sigma(sigma), check_num_samples_int(num_samples)
     out = torch.empty_like(sigma)
     for h, sig in enumerate(sigma.tolist()):
         # terms 1 - (1 - e^{-x/sig})^s fall below 1e-16 once x > sig (log s + 37): sum them all
-        top = max(1, math.ceil(sig * (math.log(s) + 37.0)))
+        top = max(1, math.ceil(sig * (math.log(num_samples) + 37.0)))
         x = torch.arange(1, top + 1, dtype=torch.float64)
-        out[h] = -torch.expm1(s * torch.log1p(-torch.exp(-x / sig))).sum()
+        out[h] = -torch.expm1(num_samples * torch.log1p(-torch.exp(-x / sig))).sum()
     return out
 
 
-def poslsh_keys_per_query(sigma, s: int, *, causal: bool = True) -> Tensor:
-    """Expected keys a query visits with ``s`` i.i.d. random-binning masks, per head (float64
-    ``[H]``), far from the sequence's ends: the union of its blocks (module docstring)."""
-    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-        raise ValueError(f"s must be an int >= 1, got {s!r}")
-    back = _mean_max_back(_sigma(sigma), s)
+@renamed_keywords(s="num_samples")
+def poslsh_keys_per_query(sigma=None, num_samples: int = None, *, slopes=None, causal: bool = True) -> Tensor:
+    """Expected keys a query visits with ``num_samples`` i.i.d. random-binning masks, per head (float64
+    ``[H]``), far from the sequence's ends: the union of its blocks (module docstring). ``sigma`` ``[H]``,
+    or by keyword ``slopes=`` (``1 / sigma``)."""
+    sigma = one_rate(slopes, sigma, want="sigma", where="poslsh_keys_per_query")
+    back = expected_reach(sigma, check_num_samples_int(num_samples))
     return 1.0 + back if causal else 1.0 + 2.0 * back
-
-
-def window_keys_per_query(window, *, causal: bool = True) -> Tensor:
-    """Keys a query visits under a window of ``window`` (``[H]``), far from the ends."""
-    w = torch.as_tensor(window, dtype=torch.float64).reshape(-1)
-    return w + 1.0 if causal else 2.0 * w + 1.0
-
-
-def cost_matched_window(sigma, s: int) -> Tensor:
-    """The per-head window (int64 ``[H]``) whose keys per query equal positional LSH's at ``s``
-    i.i.d. samples (rounded to the nearest integer; the same two-sided or causal)."""
-    return torch.round(_mean_max_back(_sigma(sigma), s)).to(torch.int64)

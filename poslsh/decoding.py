@@ -5,7 +5,7 @@ Two positional objects decide which keys a query at position ``p`` sees:
 * :class:`~poslsh.partitions.Partitions` (positional LSH, fixed blocks): the keys in the
   blocks that contain ``p``, one block per (head, sample). Along the sequence those blocks
   only move forward (block starts are non-decreasing in ``p``);
-* :class:`~poslsh.alibi.AlibiWindow` (exact ALiBi cut at per-head windows): head ``h`` sees
+* :class:`~poslsh.AlibiWindow` (exact ALiBi cut at per-head windows): head ``h`` sees
   the keys ``[p - w_h, p + w_h]``, which also only move forward.
 
 So once the next query is at position ``p``, every key before
@@ -32,97 +32,65 @@ per layer, with left padding. :mod:`poslsh.distributed` uses :func:`reach` for i
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .alibi import AlibiWindow
-from .attention import poslsh_attention, windowed_alibi_attention
+from ._compat import takes_slopes_too, warn_once
+from .attention import attend
 from .documents import make_documents
 from .ops import load_backends, registry
-from .partitions import Partitions
+from .positional import Positional, as_positions, check_positional
 from .theory import block_size_bound
 
-__all__ = ["Positional", "check_positional", "op_of", "attend", "reach", "first_needed", "cache_bound",
+__all__ = ["Positional", "check_positional", "attend", "reach", "first_needed", "cache_bound",
            "cache_bound_whp", "span_backend", "KVWindow", "document_rows", "packed_windows"]
 
-Positional = Union[Partitions, AlibiWindow]
+SEQUENCE_KINDS = ("sequence", "window")     # the kinds a stream decodes with
 
 
-def check_positional(positional, name: str = "positional") -> Positional:
-    """``positional`` itself if it is a :class:`Partitions` or an :class:`AlibiWindow`, else a TypeError."""
-    if not isinstance(positional, (Partitions, AlibiWindow)):
-        raise TypeError(f"{name} must be a poslsh.Partitions or a poslsh.alibi.AlibiWindow (make_window(slopes, "
-                        f"window)), got {type(positional).__name__}")
-    return positional
+def _stream_kind(positional, name: str = "positional") -> Positional:
+    return check_positional(positional, name, op=SEQUENCE_KINDS)
 
 
 def op_of(positional: Positional) -> str:
-    """The registry op that serves ``positional``: ``"window"`` or ``"sequence"``."""
-    return "window" if isinstance(check_positional(positional), AlibiWindow) else "sequence"
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, positional: Positional, **kwargs):
-    """:func:`poslsh.poslsh_attention` for partitions, :func:`poslsh.windowed_alibi_attention`
-    for a window; ``kwargs`` are the ops' common keyword arguments (causal, scale, backend,
-    q_start, k_start, seq_len, cu_seqlens, document_ids, return_lse)."""
-    if op_of(positional) == "window":
-        return windowed_alibi_attention(q, k, v, positional.slopes, window=positional.window, **kwargs)
-    return poslsh_attention(q, k, v, positional, **kwargs)
-
-
-def _positions(positions) -> Tensor:
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu()
-    if positions.numel() and bool((positions < 0).any()):
-        raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
-    return positions
+    """The registry op that serves ``positional``: its ``op`` (kept for one release)."""
+    warn_once("poslsh.decoding.op_of", "poslsh.decoding.op_of(p) is now p.op (every positional object names its "
+              "op); op_of goes in the next release")
+    return check_positional(positional).op
 
 
 def reach(positional: Positional, seq_len: int, positions) -> Tuple[Tensor, Tensor]:
     """The keys ``[first, end)`` a query at each of ``positions`` (int ``[P]``, in ``[0, seq_len)``)
-    can see under some head (and sample), causality aside: int64 ``[P]`` each, on the CPU."""
-    positions = _positions(positions)
-    if op_of(positional) == "window":
-        w = int(positional.window.max())
-        return (positions - w).clamp_min(0), (positions + w + 1).clamp_max(seq_len)
-    start, end = positional.block_bounds(seq_len, positions.to(positional.device))     # [H, s, P]
-    return start.amin((0, 1)).cpu(), end.amax((0, 1)).cpu()
+    can see under some head (and sample), causality aside: int64 ``[P]`` each, on the CPU
+    (:meth:`~poslsh.positional.Positional.reach` over the heads)."""
+    pos = as_positions(positions)
+    first, end = _stream_kind(positional).reach(pos.to(positional.device), seq_len)
+    return first.amin(0).cpu(), end.amax(0).cpu()
 
 
 def first_needed(positional: Positional, positions, *, per_head: bool = False) -> Tensor:
     """The first key position a causal query at each of ``positions`` (int ``[P]``, >= 0) can
     see, over all heads (and samples): int64 ``[P]``; keys before it are never seen by a query
     at ``p`` or later. ``per_head``: each query head's own first key, int64 ``[H, P]``."""
-    positions = _positions(positions)
-    if positions.numel() == 0:
-        return positions.reshape(check_positional(positional).num_heads, 0) if per_head else positions
-    if op_of(positional) == "window":
-        heads = (positions[None] - positional.window.cpu()[:, None]).clamp_min(0)          # [H, P]
-    else:
-        start, _ = positional.block_bounds(int(positions.max()) + 1, positions.to(positional.device))
-        heads = start.amin(1).cpu()                                                      # [H, s, P] -> [H, P]
-    return heads if per_head else heads.amin(0)
+    return _stream_kind(positional).first_needed(positions, per_head=per_head)
 
 
 def cache_bound(positional: Positional, *, per_head: bool = False) -> Union[int, List[int]]:
     """Most keys a layer keeps after a step (one cache tensor for all heads): partitions
     ``max_block - 1`` with ``max_block = max_{h,t} ceil(b_{h,t})`` (a bin of width ``b <= 1``
     holds one position); a window ``max_h w_h``. ``per_head``: what each query head needs."""
-    if op_of(positional) == "window":
-        heads = [int(w) for w in positional.window.tolist()]
-    else:
-        heads = [max(1, int(math.ceil(w))) - 1 for w in positional.widths.amax(1).tolist()]
-    return heads if per_head else max(heads)
+    return _stream_kind(positional).cache_bound(per_head=per_head)
 
 
+@takes_slopes_too
 def cache_bound_whp(sigma, num_samples: int, delta: float = 0.01) -> float:
     """Eq. (4) per head, maximised over heads: with probability at least ``1 - H * delta``
     the partitions drawn for bandwidths ``sigma`` (``[H]``) and ``num_samples`` samples
     give :func:`cache_bound` below this value, for any context length."""
     sig = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
-    return max(block_size_bound(float(x), num_samples, delta) for x in sig) - 1.0
+    return max(block_size_bound(num_samples=num_samples, sigma=float(x), delta=delta) for x in sig) - 1.0
 
 
 def span_backend(backend: str, q: Tensor, op: str = "sequence") -> str:
@@ -151,14 +119,14 @@ class KVWindow:
     """
 
     def __init__(self, positional: Positional, *, scale: Optional[float] = None, backend: str = "auto"):
-        self.positional, self.scale, self.backend = check_positional(positional), scale, backend
-        self.op = op_of(positional)
+        self.positional, self.scale, self.backend = _stream_kind(positional), scale, backend
+        self.op = positional.op
         self.k: Optional[Tensor] = None      # [B, Hkv, end - start, d]
         self.v: Optional[Tensor] = None      # [B, Hkv, end - start, dv]
         self.start = 0                       # position of the first kept key
         self.end = 0                         # tokens seen = position of the next query
         self.peak = 0                        # most keys a step attended to
-        self.bound = cache_bound(positional)
+        self.bound = positional.cache_bound()
 
     @property
     def size(self) -> int:
@@ -168,7 +136,7 @@ class KVWindow:
     @property
     def needed_per_head(self) -> List[int]:
         """Of the kept keys, how many each query head can still see (``<= size``)."""
-        return [self.end - int(f) for f in first_needed(self.positional, [self.end], per_head=True)[:, 0]]
+        return [self.end - int(f) for f in self.positional.first_needed([self.end], per_head=True)[:, 0]]
 
     @classmethod
     def from_prefill(cls, positional: Positional, k: Tensor, v: Tensor, *, start: int = 0,
@@ -178,7 +146,7 @@ class KVWindow:
         packed): keeps a copy of only the keys the next query can need."""
         win = cls(positional, scale=scale, backend=backend)
         end = start + k.shape[2]
-        keep_from = int(first_needed(positional, [end])[0])
+        keep_from = int(win.positional.first_needed([end])[0])
         if start > keep_from:
             raise ValueError(f"k: the keys start at position {start} but the next query, at {end}, can see keys "
                              f"from {keep_from}: pass the prefill's keys from position {keep_from} or earlier")
@@ -213,7 +181,7 @@ class KVWindow:
 
     def evict(self) -> int:
         """Drop the keys no query at ``end`` or later can see; returns how many were dropped."""
-        keep_from = max(self.start, int(first_needed(self.positional, [self.end])[0]))
+        keep_from = max(self.start, int(self.positional.first_needed([self.end])[0]))
         drop = keep_from - self.start
         if drop > 0:
             # A view: the next step's cat copies only the kept keys. After a long prompt most

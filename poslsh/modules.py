@@ -1,4 +1,4 @@
-"""``nn.Module`` building blocks: the partition schedule of a layer and a drop-in attention module.
+"""``nn.Module`` building blocks: the partition schedule of a layer and the attention modules.
 
 :class:`PartitionSchedule` is *the* rule for which partitions an attention layer uses, shared by
 the Hugging Face integration, the vision model and :class:`PoslshAttention`:
@@ -15,9 +15,12 @@ Seeds come from :func:`poslsh.seeding.stable_seed` of
 ``(sampler, group_size)`` appended for samplers other than i.i.d.; ``tag`` separates users that
 must not share masks (default ``""``: the Hugging Face rule since the first release).
 
-:class:`PoslshAttention` is multi-head attention with positional LSH as its only positional
-signal (GQA, causal, any sampler and ``s``, packed documents), with or without its own
-projections; see ``docs/model.md`` for a small decoder-only model built on it.
+The modules share one vocabulary (:class:`HeadsAttention`): ``embed_dim`` (projections, optional),
+``num_heads``, ``num_kv_heads`` (GQA), ``head_dim``, ``causal``, ``bias``, ``backend``; ``forward(x)``
+maps ``[B, n, embed_dim]`` to ``[B, n, embed_dim]`` through the projections, ``attend(q, k, v)`` is the
+attention alone (``[B, H, n, d]`` tensors), both with packed documents (``cu_seqlens`` /
+``document_ids``). :class:`PoslshAttention` attends by positional LSH; :class:`AlibiAttention` by
+exact ALiBi, whole or cut at per-head windows. See ``docs/model.md``.
 """
 from __future__ import annotations
 
@@ -26,15 +29,17 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .alibi import alibi_sigmas
-from .attention import poslsh_attention
-from .attention_nd import poslsh_attention_2d
+from ._compat import one_rate, takes_slopes_too, warn_once
+from .alibi import alibi_sigmas, alibi_slopes
+from .attention import attend, poslsh_attention, poslsh_attention_nd
 from .partitions import Partitions, check_sampler, sample_partitions
 from .partitions_nd import PartitionsND, sample_partitions_nd
 from .sampling import check_sigma
 from .seeding import stable_seed
+from .window.kind import NO_WINDOW, AlibiWindow, make_window, windows_in_sigmas
+from .window.theory import smallest_window
 
-__all__ = ["PartitionSchedule", "PoslshAttention"]
+__all__ = ["PartitionSchedule", "HeadsAttention", "PoslshAttention", "AlibiAttention"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -47,26 +52,26 @@ class PartitionSchedule:
     """The partitions of one attention layer over training and evaluation (see the module docstring).
 
     Args:
-        sigma: per-head bandwidths ``[H]`` (``1 / ALiBi slope``; :func:`poslsh.alibi_sigmas`).
+        sigma: per-head bandwidths ``[H]`` (``1 / ALiBi slope``; :func:`poslsh.alibi_sigmas`); or by
+            keyword ``slopes=`` ``[H]`` (exactly one of the two).
         num_samples: ``s``, partitions per head.
         layer: the layer index (part of every seed).
         seed: the run seed (training partitions); eval_seed: the evaluation seed.
         sampler, group_size: as in :func:`poslsh.sample_partitions` (``"iid"``, ``"stratified"``,
             ``"grouped"``).
         dims: 1 for sequences (:class:`~poslsh.Partitions`), 2 for token grids
-            (:class:`~poslsh.PartitionsND` boxes, i.i.d. only).
+            (:class:`~poslsh.PartitionsND` boxes; every sampler, each axis on its own).
         tag: prefix of the seed keys (keeps two users of one seed apart).
     """
 
+    @takes_slopes_too
     def __init__(self, sigma, num_samples: int, *, layer: int = 0, seed: int = 0, eval_seed: int = 0,
                  sampler: str = "iid", group_size: Union[int, str, None] = None, dims: int = 1, tag: str = ""):
         self.sigma = check_sigma(sigma).detach().to("cpu", torch.float64)
         self.num_samples = _positive_int("num_samples", num_samples)
-        check_sampler(sampler, group_size, name="sampler")
+        check_sampler(sampler, group_size)
         if dims not in (1, 2):
             raise ValueError(f"dims must be 1 (sequences) or 2 (token grids), got {dims!r}")
-        if dims == 2 and sampler != "iid":
-            raise ValueError(f"sampler={sampler!r} with dims=2: token grids are sampled i.i.d. only")
         for name, value in (("layer", layer), ("seed", seed), ("eval_seed", eval_seed)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -104,12 +109,9 @@ class PartitionSchedule:
         hit = self._cache.get(slot)
         if hit is not None and hit[0] == (key, device):
             return hit[1]
-        if self.dims == 1:
-            parts = sample_partitions(self.sigma, self.num_samples, seed=stable_seed(*key), method=self.sampler,
-                                      group_size=self.group_size)
-        else:
-            parts = sample_partitions_nd(self.sigma, self.num_samples, seed=stable_seed(*key))
-        parts = parts.to(device)
+        draw = sample_partitions if self.dims == 1 else sample_partitions_nd
+        parts = draw(self.sigma, self.num_samples, seed=stable_seed(*key), sampler=self.sampler,
+                     group_size=self.group_size).to(device)
         self._cache[slot] = ((key, device), parts)
         return parts
 
@@ -118,32 +120,21 @@ class PartitionSchedule:
                 f"seed={self.seed}, eval_seed={self.eval_seed}, sampler={self.sampler!r}, dims={self.dims})")
 
 
-class PoslshAttention(nn.Module):
-    """Multi-head attention whose only positional signal is positional LSH (an ALiBi estimate).
-
-    With ``embed_dim`` the module owns its projections and maps ``x [B, n, embed_dim]`` to
-    ``[B, n, embed_dim]``; without it, it attends given ``q [B, Hq, n, d]``, ``k, v [B, Hkv, n, d]``
-    and returns ``[B, Hq, n, dv]``. Partitions follow :class:`PartitionSchedule`: fresh per
-    (seed, step, layer) under ``train()``, fixed per (eval_seed, layer) under ``eval()``.
+class HeadsAttention(nn.Module):
+    """What the attention modules share: heads (GQA), optional projections, ``forward(x)`` and
+    ``attend(q, k, v)`` (see the module docstring). A subclass defines :meth:`attend`.
 
     Args:
-        embed_dim: model width; None: no projections (the caller passes q, k, v).
+        embed_dim: model width; None: no projections (call :meth:`attend` with ``q, k, v``).
         num_heads: query heads ``Hq``; num_kv_heads: key/value heads (GQA, default ``Hq``).
-        head_dim: per-head width (default ``embed_dim // num_heads``; needed without projections
-            only for documentation).
-        num_samples: ``s``; sampler, group_size: see :func:`poslsh.sample_partitions`.
-        sigma: per-head bandwidths ``[Hq]`` (default :func:`poslsh.alibi_sigmas` ``(Hq)``: ALiBi's).
-        causal: decoder attention (keys ``<= i``); grids: raster order.
-        dims: 1 (sequences) or 2 (token grids; pass ``grid=(h, w)`` to ``forward``).
-        layer, seed, eval_seed: the schedule's seeds (see :class:`PartitionSchedule`).
+        head_dim: per-head width (default ``embed_dim // num_heads``).
+        causal: decoder attention (keys ``<= i``).
         bias: bias terms in the projections.
-        backend: ``poslsh_attention``'s backend (``"auto"``).
+        backend: the op's backend (``"auto"``).
     """
 
     def __init__(self, embed_dim: Optional[int] = None, num_heads: int = 8, *, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, num_samples: int = 10, sampler: str = "iid",
-                 group_size: Union[int, str, None] = None, sigma=None, causal: bool = True, dims: int = 1,
-                 layer: int = 0, seed: int = 0, eval_seed: int = 0, bias: bool = False, backend: str = "auto"):
+                 head_dim: Optional[int] = None, causal: bool = True, bias: bool = False, backend: str = "auto"):
         super().__init__()
         self.num_heads = _positive_int("num_heads", num_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
@@ -156,12 +147,9 @@ class PoslshAttention(nn.Module):
                                  "or pass head_dim")
             head_dim = embed_dim // num_heads
         self.head_dim = None if head_dim is None else _positive_int("head_dim", head_dim)
-        self.causal, self.dims, self.backend = bool(causal), dims, backend
-        sigma = alibi_sigmas(self.num_heads) if sigma is None else sigma
-        self.schedule = PartitionSchedule(sigma, num_samples, layer=layer, seed=seed, eval_seed=eval_seed,
-                                          sampler=sampler, group_size=group_size, dims=dims)
-        if self.schedule.num_heads != self.num_heads:
-            raise ValueError(f"sigma has {self.schedule.num_heads} heads but num_heads is {self.num_heads}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.causal, self.backend = causal, backend
         if self.embed_dim is not None:
             hd, E = self.head_dim, self.embed_dim
             self.q_proj = nn.Linear(E, self.num_heads * hd, bias=bias)
@@ -169,10 +157,73 @@ class PoslshAttention(nn.Module):
             self.v_proj = nn.Linear(E, self.num_kv_heads * hd, bias=bias)
             self.o_proj = nn.Linear(self.num_heads * hd, E, bias=bias)
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:   # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, *legacy, **kwargs) -> Tensor:
+        """``x [B, n, embed_dim]`` -> ``[B, n, embed_dim]``: project, :meth:`attend`, project back.
+        ``kwargs``: those of :meth:`attend` (``step``, ``grid``, ``cu_seqlens``, ``document_ids``)."""
+        if legacy:
+            return self._legacy_qkv(x, legacy, kwargs)
+        if self.embed_dim is None:
+            raise ValueError(f"a {type(self).__name__} without embed_dim has no projections: call .attend(q, k, v) "
+                             "with [B, H, n, d] tensors")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must be [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = self.attend(q, k, v, **kwargs)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+
+    def _legacy_qkv(self, q: Tensor, rest: tuple, kwargs) -> Tensor:
+        """``module(q, k, v)`` of 0.2 (no projections): :meth:`attend`, with one warning."""
+        if self.embed_dim is not None or len(rest) != 2:
+            raise TypeError(f"{type(self).__name__}.forward takes x [B, n, embed_dim]; the attention alone is "
+                            ".attend(q, k, v) on a module without embed_dim")
+        name = type(self).__name__
+        warn_once(f"poslsh.{name}.forward(q, k, v)", f"{name}(q, k, v) is now {name}.attend(q, k, v) (forward takes "
+                  "x [B, n, embed_dim]); the old call goes in the next release", stacklevel=4)
+        return self.attend(q, *rest, **kwargs)
+
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, num_samples={self.schedule.num_samples}, "
-                f"sampler={self.schedule.sampler!r}, causal={self.causal}, dims={self.dims}")
+                f"head_dim={self.head_dim}, causal={self.causal}")
+
+
+class PoslshAttention(HeadsAttention):
+    """Multi-head attention whose only positional signal is positional LSH (an ALiBi estimate).
+
+    Partitions follow :class:`PartitionSchedule`: fresh per (seed, step, layer) under ``train()``,
+    fixed per (eval_seed, layer) under ``eval()``. Arguments of :class:`HeadsAttention`, and:
+
+    Args:
+        num_samples: ``s``; sampler, group_size: see :func:`poslsh.sample_partitions`.
+        slopes: per-head ALiBi slopes ``[Hq]`` the masks estimate, or by keyword ``sigma=`` ``[Hq]``
+            (``1 / slopes``; at most one; default ALiBi's, :func:`poslsh.alibi_slopes` ``(Hq)``).
+        dims: 1 (sequences) or 2 (token grids; pass ``grid=(h, w)`` to ``forward`` / ``attend``).
+        layer, seed, eval_seed: the schedule's seeds (see :class:`PartitionSchedule`).
+    """
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: int = 8, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, num_samples: int = 10, sampler: str = "iid",
+                 group_size: Union[int, str, None] = None, slopes=None, sigma=None, causal: bool = True,
+                 dims: int = 1, layer: int = 0, seed: int = 0, eval_seed: int = 0, bias: bool = False,
+                 backend: str = "auto"):
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, causal=causal,
+                         bias=bias, backend=backend)
+        sigma = one_rate(slopes, sigma, want="sigma", where="PoslshAttention",
+                         default=lambda: alibi_sigmas(self.num_heads))
+        self.dims = dims
+        self.schedule = PartitionSchedule(sigma, num_samples, layer=layer, seed=seed, eval_seed=eval_seed,
+                                          sampler=sampler, group_size=group_size, dims=dims)
+        if self.schedule.num_heads != self.num_heads:
+            raise ValueError(f"sigma has {self.schedule.num_heads} heads but num_heads is {self.num_heads}")
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", num_samples={self.schedule.num_samples}, "
+                f"sampler={self.schedule.sampler!r}, dims={self.dims}")
 
     def partitions(self, step: Optional[int] = None, device=None):
         """The partitions the next call uses (training or evaluation, by ``self.training``)."""
@@ -181,38 +232,96 @@ class PoslshAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, step: Optional[int] = None,
                grid: Optional[Tuple[int, int]] = None, cu_seqlens: Optional[Tensor] = None,
                document_ids: Optional[Tensor] = None) -> Tensor:
-        """Attention of ``q [B, Hq, n, d]`` over ``k, v [B, Hkv, n, d|dv]`` -> ``[B, Hq, n, dv]``."""
+        """Attention of ``q [B, Hq, n, d]`` over ``k, v [B, Hkv, n, d|dv]`` -> ``[B, Hq, n, dv]``. ``step``:
+        the training step (partitions of that step); ``grid``: ``(height, width)`` for ``dims=2``;
+        ``cu_seqlens`` / ``document_ids``: packed documents (:mod:`poslsh.documents`)."""
         parts = self.partitions(step, q.device)
         if self.dims == 2:
             if grid is None:
                 raise ValueError("grid: a dims=2 PoslshAttention needs grid=(height, width) of the tokens")
             if cu_seqlens is not None or document_ids is not None:
                 raise ValueError("cu_seqlens / document_ids: packed documents are for sequences (dims=1)")
-            return poslsh_attention_2d(q, k, v, parts, grid, causal=self.causal, backend=self.backend)
+            return poslsh_attention_nd(q, k, v, parts, grid=grid, causal=self.causal, backend=self.backend)
         if grid is not None:
             raise ValueError("grid: a dims=1 PoslshAttention attends sequences; build it with dims=2 for grids")
         return poslsh_attention(q, k, v, parts, causal=self.causal, backend=self.backend, cu_seqlens=cu_seqlens,
                                 document_ids=document_ids)
 
-    def forward(self, x: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
-                step: Optional[int] = None, grid: Optional[Tuple[int, int]] = None,
-                cu_seqlens: Optional[Tensor] = None, document_ids: Optional[Tensor] = None) -> Tensor:
-        """``x [B, n, embed_dim]`` -> ``[B, n, embed_dim]`` (with projections), or
-        ``forward(q, k, v)`` with ``[B, H, n, d]`` tensors (without). ``step``: the training
-        step (partitions of that step); ``grid``: ``(height, width)`` for ``dims=2``;
-        ``cu_seqlens`` / ``document_ids``: packed documents (:mod:`poslsh.documents`)."""
-        docs = dict(step=step, grid=grid, cu_seqlens=cu_seqlens, document_ids=document_ids)
-        if self.embed_dim is None:
-            if k is None or v is None:
-                raise ValueError("a PoslshAttention without embed_dim takes q, k, v ([B, H, n, d] each)")
-            return self.attend(x, k, v, **docs)
-        if k is not None or v is not None:
-            raise ValueError("a PoslshAttention with projections takes x [B, n, embed_dim] only")
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x must be [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
-        B, n, _ = x.shape
-        q = self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = self.attend(q, k, v, **docs)
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+
+class AlibiAttention(HeadsAttention):
+    """Multi-head attention with exact ALiBi, whole or cut at a window per head (the library's
+    recommendation for approximating ALiBi at long context, ``docs/frontier.md``). Arguments of
+    :class:`HeadsAttention`, and:
+
+    Args:
+        slopes: per-head ALiBi slopes ``[Hq]``, or by keyword ``sigma=`` ``[Hq]`` (``1 / slopes``; at most
+            one; default ALiBi's, :func:`poslsh.alibi_slopes` ``(Hq)``).
+        window: the windows (keys with ``|i - j| <= w_h`` attend): an int for every head, a sequence or
+            an int tensor ``[Hq]``. At most one of ``window``, ``window_sigmas`` and ``tol``; none of
+            them: exact ALiBi (every key; ``O(n^2 d)`` time, ``O(n)`` memory).
+        window_sigmas: ``c``: ``w_h = ceil(c sigma_h)`` (each dropped key weighs at most ``e^{-c}``
+            relative to the query itself).
+        tol, logit_range: the smallest windows whose dropped softmax mass is at most ``tol`` at any
+            length when the logits spread at most ``logit_range`` (:func:`poslsh.window.smallest_window`;
+            :func:`poslsh.window.logit_range` measures it on an input).
+        dims: 1 (sequences; there is no N-D window op: ``PoslshAttention(dims=2)`` attends grids).
+    """
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: int = 8, *, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, slopes=None, sigma=None, window=None,
+                 window_sigmas: Optional[float] = None, tol=None, logit_range=None, causal: bool = True,
+                 dims: int = 1, bias: bool = False, backend: str = "auto"):
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, causal=causal,
+                         bias=bias, backend=backend)
+        if dims != 1:
+            raise ValueError(f"dims: AlibiAttention attends sequences (dims=1), got {dims!r}; token grids: "
+                             "PoslshAttention(dims=2) or poslsh.reference.alibi_attention_nd")
+        slopes = one_rate(slopes, sigma, want="slopes", where="AlibiAttention",
+                          default=lambda: alibi_slopes(self.num_heads))
+        given = [name for name, value in (("window", window), ("window_sigmas", window_sigmas), ("tol", tol))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"AlibiAttention: pass at most one of window, window_sigmas and tol, got {given}")
+        if logit_range is not None and tol is None:
+            raise ValueError("logit_range: it sets the windows together with tol (the tolerance on the dropped mass)")
+        m = make_window(slopes, 0, self.num_heads).slopes          # checked: finite, >= 0, one per head
+        if window_sigmas is not None:
+            window = windows_in_sigmas(window_sigmas, slopes=m)
+        elif tol is not None:
+            if logit_range is None:
+                raise ValueError("tol: the windows of a tolerance need logit_range (a bound on the spread of "
+                                 "the logits; poslsh.window.logit_range measures it on an input)")
+            window = smallest_window(tol, slopes=m, logit_range=logit_range, causal=self.causal)
+        elif window is None:
+            window = NO_WINDOW
+        if isinstance(window, (list, tuple)):
+            window = torch.as_tensor(window, dtype=torch.int64)
+        self.window = make_window(m, window, self.num_heads)        # the layer's positional object
+        self._on: dict = {}                                          # device -> the window there
+
+    @property
+    def exact(self) -> bool:
+        """No window: exact ALiBi over every key."""
+        return bool((self.window.window == NO_WINDOW).all())
+
+    def extra_repr(self) -> str:
+        windows = "exact" if self.exact else self.window.window.tolist()
+        return super().extra_repr() + f", windows={windows}"
+
+    def positional(self, device=None) -> AlibiWindow:
+        """The layer's :class:`~poslsh.AlibiWindow` on ``device`` (cached: no copy per call)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device not in self._on:
+            self._on[device] = self.window.to(device)
+        return self._on[device]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, step: Optional[int] = None,
+               grid: Optional[Tuple[int, int]] = None, cu_seqlens: Optional[Tensor] = None,
+               document_ids: Optional[Tensor] = None) -> Tensor:
+        """Attention of ``q [B, Hq, n, d]`` over ``k, v [B, Hkv, n, d|dv]`` -> ``[B, Hq, n, dv]``;
+        ``cu_seqlens`` / ``document_ids``: packed documents. ``step`` is accepted and ignored (the
+        windows are fixed), so the module stands in for a :class:`PoslshAttention`."""
+        if grid is not None:
+            raise ValueError("grid: AlibiAttention attends sequences; token grids: PoslshAttention(dims=2)")
+        return attend(q, k, v, self.positional(q.device), causal=self.causal, backend=self.backend,
+                      cu_seqlens=cu_seqlens, document_ids=document_ids)

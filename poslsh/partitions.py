@@ -19,12 +19,15 @@ dimensions) is ``D`` of these, one per axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from ._compat import renamed_keywords, takes_slopes_too
+from .positional import Positional
 from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
                        draw, group_count, make_generator)
 from .widths import GammaWidths, WidthDistribution, kernel_matrix
@@ -53,8 +56,9 @@ def _check_length(n) -> int:
 
 
 @dataclass(frozen=True)
-class Partitions:
-    """``s`` random-binning partitions per head.
+class Partitions(Positional):
+    """``s`` random-binning partitions per head: the positional kind of the ``"sequence"`` op
+    (:mod:`poslsh.positional`).
 
     Attributes:
         widths: ``[H, s]`` float64, bin widths ``b`` (``> 0``).
@@ -80,6 +84,10 @@ class Partitions:
     sigma: Optional[Tensor] = None
     groups: Optional[Tensor] = None
     distribution: Optional[WidthDistribution] = None
+
+    op = "sequence"
+    heads_are = "partitions were built for"
+    public_name = "poslsh.Partitions"
 
     def __post_init__(self):
         w, c = self.widths, self.offsets
@@ -111,7 +119,7 @@ class Partitions:
 
     def __eq__(self, other) -> bool:
         """Equal values (widths, offsets, sigma, groups) and distribution, whatever the tensor objects."""
-        if not isinstance(other, Partitions):
+        if type(other) is not type(self):
             return NotImplemented
         if self.distribution != other.distribution:
             return False
@@ -154,6 +162,31 @@ class Partitions:
         pick = (lambda x: None if x is None else x[idx])
         return Partitions(self.widths[idx], self.offsets[idx], pick(self.sigma), pick(self.groups), self.distribution)
 
+    # ------------------------------------------------- the positional protocol
+    def tensors(self) -> Tuple[Tensor, Tensor]:
+        """``(widths, offsets)``, float64 ``[H, s]`` each (the groups follow from them)."""
+        return self.widths, self.offsets
+
+    def reach(self, positions: Tensor, seq_len: int) -> Tuple[Tensor, Tensor]:
+        """Per head the keys ``[first, end)`` of the union of a position's blocks over the samples, int64 ``[H, P]``."""
+        start, end = self.block_bounds(seq_len, positions)
+        return start.amin(1), end.amax(1)
+
+    def cache_bound(self, *, per_head: bool = False) -> Union[int, List[int]]:
+        """``max_block - 1`` with ``max_block = max_{h,t} ceil(b_{h,t})`` (a bin of width ``b <= 1`` holds one
+        position): the most keys a causal stream keeps after a step (``per_head``: each query head's)."""
+        heads = [max(1, int(math.ceil(w))) - 1 for w in self.widths.amax(1).tolist()]
+        return heads if per_head else max(heads)
+
+    def dense_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``log count_ij`` between positions (samples in which they share a block; ``-inf`` for none),
+        float64 ``[H, P, Q]``: one sample at a time, ``O(H (P + Q) s + H P Q)`` memory."""
+        lab_q, lab_k = (block_labels(self.widths, self.offsets, p.to(self.device, torch.float64)) for p in (q_pos, k_pos))
+        count = torch.zeros(self.num_heads, q_pos.numel(), k_pos.numel(), dtype=torch.float64, device=self.device)
+        for t in range(self.num_samples):
+            count += lab_q[:, t, :, None] == lab_k[:, t, None, :]
+        return torch.log(count)
+
     def __repr__(self) -> str:
         kind = "fixed" if self.sigma is None else "sampled" if self.groups is None else \
             "sampled in groups" if self.device.type == "meta" else f"sampled in {self.num_groups} groups"
@@ -186,7 +219,7 @@ class Partitions:
         width, one point of its boundary lattice ``origin + Z width / size`` (the
         smallest offset of its masks) and its size. Needs ``groups``."""
         if self.groups is None:
-            raise ValueError("these partitions have no groups (i.i.d.): draw them with method='grouped'")
+            raise ValueError("these partitions have no groups (i.i.d.): draw them with sampler='grouped'")
         H, G = self.num_heads, self.num_groups
         width = torch.zeros(H, G, dtype=torch.float64, device=self.device).scatter_(1, self.groups, self.widths)
         origin = torch.full((H, G), float("inf"), dtype=torch.float64, device=self.device)
@@ -330,19 +363,21 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
 
 
 
+@renamed_keywords(method="sampler")
+@takes_slopes_too
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
-                      seed: Optional[int] = None, method: str = "iid",
-                      group_size: Union[int, str, None] = None,
+                      seed: Optional[int] = None, sampler: str = "iid", group_size: Union[int, str, None] = None,
                       widths: Optional[WidthDistribution] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
-        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``.
+        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``; or by keyword
+            ``slopes=`` ``[H]`` (exactly one of the two). A number is one head.
         num_samples: ``s >= 1`` partitions per head.
         generator: a CPU ``torch.Generator`` to draw from (exclusive with ``seed``).
         seed: an int seed (exclusive with ``generator``). With neither, the global
             CPU RNG is used.
-        method: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
+        sampler: ``"iid"`` (the paper, the default), ``"stratified"`` (independent
             masks, stratified widths) or ``"grouped"`` (groups of shifted grids with
             stratified widths): every slot is marginally ``b ~ widths(sigma)``,
             ``c | b ~ U[0, b)``, so ``E[M~] = k`` exactly. See :mod:`poslsh.sampling`.
@@ -352,21 +387,21 @@ def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Gene
             ``G = max(2, round(sqrt(s)))`` groups.
         widths: the width distribution (:mod:`poslsh.widths`): ``None`` or ``GammaWidths(2)``
             is ALiBi (``E[M] = exp(-|i - j| / sigma)``, the same stream as ever for a seed),
-            ``GammaWidths(m)`` / ``FixedWidth(w)`` other kernels. Every method takes both
+            ``GammaWidths(m)`` / ``FixedWidth(w)`` other kernels. Every sampler takes both
             (stratifying needs the quantile function, which both have).
 
     Returns:
         :class:`Partitions` with ``widths``/``offsets`` of shape ``[H, s]`` (float64)
-        on ``sigma``'s device (``groups`` set unless ``method == "iid"``; ``distribution`` the
+        on ``sigma``'s device (``groups`` set unless ``sampler == "iid"``; ``distribution`` the
         width law). Drawing happens on the CPU, so the same seed gives the same partitions on
         every device.
     """
     sigma = check_sigma(sigma)
     check_num_samples(num_samples)
-    check_sampler(method, group_size)
-    dist = check_widths(widths, method)
+    check_sampler(sampler, group_size)
+    dist = check_widths(widths, sampler)
     generator = make_generator(generator, seed)
     sig = sigma.detach().to("cpu", torch.float64)
     dev = sigma.device
-    w, c, groups = draw(sig, num_samples, generator, method, group_size, dist)
+    w, c, groups = draw(sig, num_samples, generator, sampler, group_size, dist)
     return Partitions(w.to(dev), c.to(dev), sig.to(dev), None if groups is None else groups.to(dev), dist)

@@ -28,7 +28,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._compat import renamed_keywords, takes_slopes_too, warn_once
 from .partitions import Partitions
+from .positional import Positional
 from .sampling import check_num_samples, check_sampler, check_sigma, check_widths, draw, make_generator
 from .widths import WidthDistribution, kernel_matrix
 
@@ -109,7 +111,7 @@ def check_sigma_nd(sigma, dims: Optional[int]) -> Tensor:
 
 # ----------------------------------------------------------------- partitions
 @dataclass(frozen=True, eq=False, init=False)
-class PartitionsND:
+class PartitionsND(Positional):
     """``s`` random box partitions per head over ``D``-dimensional integer coordinates: one
     :class:`~poslsh.partitions.Partitions` per axis (``PartitionsND(axes)``), all with the same
     ``H`` heads, ``s`` samples and device, all sampled (``sigma`` set) or all fixed. Sample ``t``
@@ -121,6 +123,10 @@ class PartitionsND:
     """
 
     axes: Tuple[Partitions, ...]
+
+    op = "nd"
+    heads_are = "partitions were built for"
+    public_name = "poslsh.PartitionsND"
 
     def __init__(self, axes: Sequence[Partitions], *tensor_form):
         if tensor_form or isinstance(axes, Tensor) or not isinstance(axes, (tuple, list)) or not axes or \
@@ -204,8 +210,32 @@ class PartitionsND:
             raise ValueError(f"axis must be an int in [0, {self.dims}), got {a!r}")
         return self.axes[a]
 
+    def tensors(self) -> Tuple[Tensor, Tensor]:
+        """``(widths, offsets)``, float64 ``[H, s, D]`` each."""
+        return self.widths, self.offsets
+
+    def check_layout(self, seq_len: int, grid=None) -> Tuple[int, int]:
+        """The op attends a 2-D token grid: ``grid = (height, width)`` with ``height * width = seq_len``
+        and partitions of 2 axes; returns ``(height, width)``."""
+        if self.dims != 2:
+            raise ValueError(f"partitions have {self.dims} axes; 2-D attention over a grid needs 2 "
+                             "(sample them with dims=2 or sigma [H, 2])")
+        height, width = check_grid(grid)
+        if height * width != seq_len:
+            raise ValueError(f"grid {height}x{width} has {height * width} tokens but q has seqlen {seq_len}")
+        return height, width
+
+    def dense_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``log count_xy`` between token coordinates ``q_pos [P, D]`` and ``k_pos [Q, D]`` (samples in which
+        they share a box on every axis; ``-inf`` for none), float64 ``[H, P, Q]``, one sample at a time."""
+        lab_q, lab_k = self.labels(q_pos), self.labels(k_pos)                     # [H, s, P|Q, D]
+        count = torch.zeros(self.num_heads, lab_q.shape[2], lab_k.shape[2], dtype=torch.float64, device=self.device)
+        for t in range(self.num_samples):
+            count += (lab_q[:, t, :, None] == lab_k[:, t, None, :]).all(-1)
+        return torch.log(count)
+
     def __eq__(self, other) -> bool:
-        if not isinstance(other, PartitionsND):
+        if type(other) is not type(self):
             return NotImplemented
         return self.axes == other.axes
 
@@ -221,13 +251,21 @@ class PartitionsND:
                 f"device={self.device})")
 
     @classmethod
+    def fixed_blocks(cls, num_heads: int, block_size: Sequence[int], *, device=None) -> "PartitionsND":
+        """Deterministic blocks (the fixed-blocks baseline in ``D`` dimensions, a block being a box): one
+        partition per head into blocks of ``block_size[a]`` positions along axis ``a``, from coordinate 0
+        (:meth:`Partitions.fixed_blocks <poslsh.partitions.Partitions.fixed_blocks>` on every axis)."""
+        if not isinstance(block_size, (tuple, list)) or not block_size or any(
+                isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in block_size):
+            raise ValueError(f"block_size must be a tuple of ints >= 1 (one side per axis), got {block_size!r}")
+        return cls(tuple(Partitions.fixed_blocks(num_heads, int(b), device=device) for b in block_size))
+
+    @classmethod
     def fixed_boxes(cls, num_heads: int, box: Sequence[int], *, device=None) -> "PartitionsND":
-        """Deterministic boxes (the fixed-blocks baseline in ``D`` dimensions): one partition per
-        head into boxes of ``box[a]`` positions along axis ``a``, starting at coordinate 0."""
-        if not isinstance(box, (tuple, list)) or not box or any(
-                isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in box):
-            raise ValueError(f"box must be a tuple of ints >= 1 (one side per axis), got {box!r}")
-        return cls(tuple(Partitions.fixed_blocks(num_heads, int(b), device=device) for b in box))
+        """The former name of :meth:`fixed_blocks` (kept for one release)."""
+        warn_once("PartitionsND.fixed_boxes", "PartitionsND.fixed_boxes(H, box) is now PartitionsND.fixed_blocks(H, "
+                  "block_size) (the 1-D name); the old name goes in the next release")
+        return cls.fixed_blocks(num_heads, box, device=device)
 
     # ---------------------------------------------------------------- geometry
     def labels(self, coords: Tensor) -> Tensor:
@@ -247,10 +285,13 @@ class PartitionsND:
             ids = ids * radix + lab[..., a]
         return ids
 
-    def box_bounds(self, coords: Tensor, extent: Optional[Sequence[int]] = None) -> Tuple[Tensor, Tensor]:
-        """The box of every token: ``lo, hi`` (int64 ``[H, s, n, D]``), the box is
-        ``prod_a [lo_a, hi_a)`` clipped to ``[0, extent_a)`` (default: the coordinates' maximum + 1),
-        from each axis's :meth:`Partitions.block_bounds <poslsh.partitions.Partitions.block_bounds>`."""
+    def block_bounds(self, extent: Optional[Sequence[int]], coords: Tensor) -> Tuple[Tensor, Tensor]:
+        """The block (box) of every token, as :meth:`Partitions.block_bounds(n, positions)
+        <poslsh.partitions.Partitions.block_bounds>` on every axis: ``lo, hi`` (int64 ``[H, s, n, D]``), the box
+        ``prod_a [lo_a, hi_a)`` clipped to ``[0, extent_a)`` (``extent`` None: the coordinates' maximum + 1)."""
+        if isinstance(extent, Tensor) or not isinstance(coords, Tensor):
+            raise TypeError("block_bounds(extent, coords): the extent (sizes per axis, or None) comes first, then "
+                            "the coordinates [n, D]")
         x = check_coords(coords, self.dims).to(self.device)
         ext = (x.amax(0) + 1).tolist() if extent is None else list(extent)
         if len(ext) != self.dims or any(int(e) <= int(m) for e, m in zip(ext, x.amax(0).tolist())):
@@ -258,10 +299,22 @@ class PartitionsND:
         lo, hi = zip(*(p.block_bounds(int(ext[a]), x[:, a]) for a, p in enumerate(self.axes)))
         return torch.stack(lo, -1), torch.stack(hi, -1)
 
-    def max_box_size(self, coords: Tensor) -> int:
-        """The largest number of tokens in one box, over heads and samples."""
+    def box_bounds(self, coords: Tensor, extent: Optional[Sequence[int]] = None) -> Tuple[Tensor, Tensor]:
+        """The former name of :meth:`block_bounds`, in its old order (kept for one release)."""
+        warn_once("PartitionsND.box_bounds", "PartitionsND.box_bounds(coords, extent) is now PartitionsND.block_bounds("
+                  "extent, coords) (the 1-D name and order); the old name goes in the next release")
+        return self.block_bounds(extent, coords)
+
+    def max_block_size(self, coords: Tensor) -> int:
+        """The largest number of tokens in one block (box), over heads and samples."""
         ids = self.block_ids(coords)
         return max(int(torch.unique(row, return_counts=True)[1].max()) for row in ids.reshape(-1, ids.shape[-1]))
+
+    def max_box_size(self, coords: Tensor) -> int:
+        """The former name of :meth:`max_block_size` (kept for one release)."""
+        warn_once("PartitionsND.max_box_size", "PartitionsND.max_box_size is now PartitionsND.max_block_size (the 1-D "
+                  "name); the old name goes in the next release")
+        return self.max_block_size(coords)
 
     def dense_count(self, coords: Tensor) -> Tensor:
         """``count_xy`` = number of samples in which tokens ``x`` and ``y`` share a box (all axes at
@@ -290,6 +343,7 @@ class PartitionsND:
         return out
 
 
+@takes_slopes_too
 def expected_mask(coords: Tensor, sigma, widths: Optional[WidthDistribution] = None) -> Tensor:
     """``L_xy = prod_a k(|x_a - y_a|; sigma_{h,a})`` for coordinates ``[n, D]`` and sigma ``[H]`` or
     ``[H, D]``: float64 ``[H, n, n]`` (dense). Gamma(2) widths (default) give 2-D ALiBi's ``L**``."""
@@ -303,8 +357,10 @@ def expected_mask(coords: Tensor, sigma, widths: Optional[WidthDistribution] = N
     return out
 
 
+@renamed_keywords(method="sampler")
+@takes_slopes_too
 def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
-                         widths: Optional[WidthDistribution] = None, method: str = "iid",
+                         widths: Optional[WidthDistribution] = None, sampler: str = "iid",
                          group_size: Union[int, str, None] = None, generator: Optional[torch.Generator] = None,
                          seed: Optional[int] = None) -> PartitionsND:
     """Draw ``num_samples`` random box partitions per head: :func:`~poslsh.partitions.sample_partitions`
@@ -317,7 +373,7 @@ def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
         dims: number of axes ``D`` (default: ``sigma``'s second size, else 2: images).
         widths: bin-width distribution of every axis (default :class:`~poslsh.widths.GammaWidths`
             ``(2)``: ALiBi's Laplacian kernel); see :mod:`poslsh.widths`.
-        method, group_size: the sampler, as in ``sample_partitions``; ``"iid"`` draws all axes in one
+        sampler, group_size: as in ``sample_partitions``; ``"iid"`` draws all axes in one
             call, ``"stratified"`` / ``"grouped"`` stratify each axis on its own (axis after axis from
             the one generator; every box still has ``E[M] = prod_a k_a`` exactly).
         generator: a CPU ``torch.Generator`` (exclusive with ``seed``); seed: an int. Derive seeds
@@ -332,14 +388,14 @@ def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
     dev = sigma.device if isinstance(sigma, Tensor) else torch.device("cpu")
     sig = check_sigma_nd(sigma, dims).cpu()
     check_num_samples(num_samples)
-    check_sampler(method, group_size)
-    dist = check_widths(widths, method)
+    check_sampler(sampler, group_size)
+    dist = check_widths(widths, sampler)
     generator = make_generator(generator, seed)
-    if method == "iid":     # every (head, sample, axis) at once: the stream D = 1 shares with sample_partitions
-        w, c, _ = draw(sig, num_samples, generator, method, None, dist)
+    if sampler == "iid":     # every (head, sample, axis) at once: the stream D = 1 shares with sample_partitions
+        w, c, _ = draw(sig, num_samples, generator, sampler, None, dist)
         per_axis = [(w[..., a], c[..., a], None) for a in range(sig.shape[1])]
     else:
-        per_axis = [draw(sig[:, a].contiguous(), num_samples, generator, method, group_size, dist)
+        per_axis = [draw(sig[:, a].contiguous(), num_samples, generator, sampler, group_size, dist)
                     for a in range(sig.shape[1])]
     return PartitionsND(tuple(Partitions(w.contiguous().to(dev), c.contiguous().to(dev), sig[:, a].contiguous().to(dev),
                                          None if g is None else g.to(dev), dist)

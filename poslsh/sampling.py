@@ -21,7 +21,7 @@ head depend on each other:
 
 The correlated schemes need the distribution's quantile function (``quantile(u, sigma)``):
 :class:`~poslsh.widths.GammaWidths` (any shape) and :class:`~poslsh.widths.FixedWidth` have
-one; a distribution without it is refused with ``method="iid"`` named as the way out.
+one; a distribution without it is refused with ``sampler="iid"`` named as the way out.
 
 Why every slot is exact: a random slot lies in group ``g`` with probability
 ``k_g / s``, the probability of stratum ``g``; given ``g``, ``u`` is uniform on the
@@ -237,7 +237,7 @@ def make_generator(generator: Optional[torch.Generator], seed) -> Optional[torch
     return torch.Generator().manual_seed(int(seed))
 
 
-def check_sampler(method, group_size=None, *, name: str = "method") -> None:
+def check_sampler(method, group_size=None, *, name: str = "sampler") -> None:
     """One-line errors for a sampler (called ``name``) or group size no sampler accepts."""
     if method not in SAMPLERS:
         raise ValueError(f"{name} must be one of {', '.join(SAMPLERS)}, got {method!r}")
@@ -255,6 +255,6 @@ def check_widths(widths, method: str = "iid") -> WidthDistribution:
         raise TypeError(f"widths must be a width distribution of poslsh.widths (GammaWidths(m), FixedWidth(w)), "
                         f"got {type(widths).__name__}")
     if method != "iid" and not callable(getattr(widths, "quantile", None)):
-        raise ValueError(f"method={method!r} stratifies widths through their quantile function, which "
-                         f"widths={widths.name} does not have: use method='iid'")
+        raise ValueError(f"sampler={method!r} stratifies widths through their quantile function, which "
+                         f"widths={widths.name} does not have: use sampler='iid'")
     return widths

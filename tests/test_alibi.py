@@ -32,9 +32,9 @@ def test_bad_head_count(bad):
 def test_bias_and_matrix_agree():
     slopes = poslsh.alibi_slopes(4)
     n = 9
-    bias = poslsh.alibi_bias(n, slopes, dtype=torch.float64)
-    L = poslsh.alibi_matrix(n, 1.0 / slopes)
+    bias = poslsh.alibi.alibi_bias(n, slopes, dtype=torch.float64)
+    L = poslsh.alibi.alibi_matrix(n, 1.0 / slopes)
     assert torch.allclose(torch.exp(bias), L)
-    causal = poslsh.alibi_bias(n, slopes, causal=True)
+    causal = poslsh.alibi.alibi_bias(n, slopes, causal=True)
     assert torch.isinf(causal[:, 0, 1]).all() and causal[:, 3, 1].eq(-2 * slopes.float()).all()
     assert L[0, 2, 5].item() == pytest.approx(math.exp(-3 * slopes[0].item()))

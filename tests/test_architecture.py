@@ -13,11 +13,16 @@ PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_
 # Lowest floor first. A module may import from its own floor or any floor below it.
 # The library's floors come first, the app's after them: the library never imports the app.
 FLOORS: List[Tuple[str, List[str]]] = [
-    ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
+    ("base", ["poslsh._validation", "poslsh._compat", "poslsh.threads", "poslsh.seeding"]),
     ("core math", ["poslsh.alibi", "poslsh.cost", "poslsh.documents", "poslsh.merge", "poslsh.sampling",
-                   "poslsh.partitions", "poslsh.theory", "poslsh.window_theory", "poslsh.reference", "poslsh.widths",
-                   "poslsh.partitions_nd"]),
-    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.distributed", "poslsh.decoding"]),
+                   "poslsh.widths"]),
+    # the positional protocol and the kinds that implement it
+    ("positional kinds", ["poslsh.positional", "poslsh.partitions", "poslsh.partitions_nd", "poslsh.window.kind"]),
+    # what is proved or computed densely about the kinds: below every op
+    ("theory and oracles", ["poslsh.theory", "poslsh.window.theory", "poslsh.window.cost", "poslsh.window_theory",
+                            "poslsh.reference"]),
+    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.window", "poslsh.distributed",
+            "poslsh.decoding"]),
     ("modules", ["poslsh.modules", "poslsh"]),  # "poslsh" = the package's public face
     ("integrations", ["poslsh.integrations"]),
     # ---- the paper's app (paper/poslsh_paper)
@@ -26,7 +31,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
     ("experiments", ["poslsh_paper.experiments"]),
     ("cli", ["poslsh_paper.cli", "poslsh_paper.__main__"]),
 ]
-LIBRARY_FLOORS = 5
+LIBRARY_FLOORS = 7
 KERNELS = {"poslsh.ops.triton._kernels"}    # Triton kernels may be long
 MAX_LINES = 420
 
@@ -138,3 +143,63 @@ def test_modules_stay_small():
             big.append(f"{rel}: {lines} lines")
     print("\n".join(big) or f"every module <= {MAX_LINES} lines")
     assert not big, f"modules over {MAX_LINES} lines (split them):\n" + "\n".join(big)
+
+
+# ------------------------------------------------------------------ the positional protocol
+KIND_CLASSES = {"Partitions", "AlibiWindow", "PartitionsND"}
+PROTOCOL = "poslsh.positional"
+MAX_SWITCH_FILES = 2        # the protocol module and at most one kind file
+
+
+def _names(node) -> Set[str]:
+    """Class names in an isinstance target (a name, an attribute, or a tuple of them)."""
+    if isinstance(node, ast.Tuple):
+        return set().union(*(_names(e) for e in node.elts)) if node.elts else set()
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Attribute):
+        return {node.attr}
+    return set()
+
+
+def kind_switches(source: str) -> List[str]:
+    """Where ``source`` tells the positional kinds apart: ``isinstance`` on a kind class, a call of
+    ``op_of``, or a comparison of an ``.op`` with a string (each kind answers for itself instead)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            if name == "isinstance" and len(node.args) == 2 and _names(node.args[1]) & KIND_CLASSES:
+                out.append(f"line {node.lineno}: isinstance(..., {sorted(_names(node.args[1]) & KIND_CLASSES)})")
+            elif name == "op_of":
+                out.append(f"line {node.lineno}: op_of(...)")
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "op" \
+                and any(isinstance(c, ast.Constant) and isinstance(c.value, str) for c in node.comparators):
+            out.append(f"line {node.lineno}: .op == {node.comparators[0].value!r}")
+    return out
+
+
+def test_kinds_are_told_apart_in_at_most_two_files():
+    """Positional kinds answer for themselves (poslsh.positional): no module switches on the kind,
+    except the protocol and at most one kind file (a PartitionsND checks its axes are Partitions)."""
+    found = {m: kind_switches(path.read_text()) for m, path in sorted(MODULES.items()) if m.split(".")[0] == "poslsh"}
+    found = {m: hits for m, hits in found.items() if hits}
+    print("\n".join(f"{m}: {'; '.join(h)}" for m, h in found.items()) or "no switches on positional kinds")
+    kind_files = [m for m in found if m != PROTOCOL]
+    assert len(found) <= MAX_SWITCH_FILES and len(kind_files) <= 1, f"switches on positional kinds: {found}"
+    assert all(floor_of(m) == floor_of(PROTOCOL) for m in found), f"switches outside the kinds' floor: {found}"
+
+
+def test_the_switch_checker_sees_switches():
+    assert kind_switches("isinstance(p, (Partitions, int))") and kind_switches("poslsh.decoding.op_of(p)")
+    assert kind_switches("if call.positional.op == 'window': pass")
+    assert not kind_switches("isinstance(p, Positional)") and not kind_switches("type(a) is type(b)")
+
+
+def test_the_new_rooms_have_floors():
+    """The protocol sits with the kinds, the window's object below the theory, its op with the ops."""
+    assert floor_of("poslsh.positional") == floor_of("poslsh.partitions") == floor_of("poslsh.window.kind")
+    assert floor_of("poslsh.window.kind") < floor_of("poslsh.reference") < floor_of("poslsh.window.op")
+    assert floor_of("poslsh.ops.call") == floor_of("poslsh.attention") > floor_of("poslsh.theory")
+    assert floor_of("poslsh._compat") == 0

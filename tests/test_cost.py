@@ -1,11 +1,13 @@
-"""The expected keys per query of positional LSH (poslsh.cost) against counted unions of blocks."""
+"""The expected keys per query of positional LSH (poslsh.cost) against counted unions of blocks, and the
+window of its cost (poslsh.window.cost)."""
 import math
 
 import pytest
 import torch
 
 import poslsh
-from poslsh.cost import cost_matched_window, poslsh_keys_per_query, window_keys_per_query
+from poslsh.cost import poslsh_keys_per_query
+from poslsh.window import cost_matched_window, window_keys_per_query
 
 
 @pytest.mark.parametrize("causal", [True, False])

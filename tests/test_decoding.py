@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.alibi import make_window
+from poslsh.window import make_window
 from poslsh.decoding import (KVWindow, attend, cache_bound, cache_bound_whp, document_rows, first_needed,
                              packed_windows)
 
@@ -88,7 +88,7 @@ def test_window_rejects_bad_input():
         win.step(x, x, x)
     with pytest.raises(ValueError, match="same nq"):
         win.step(x, x[:, :1, :2], x[:, :1, :2])
-    with pytest.raises(TypeError, match="Partitions or a poslsh.alibi.AlibiWindow"):
+    with pytest.raises(TypeError, match="Partitions or a poslsh.AlibiWindow"):
         KVWindow("not partitions")
     with pytest.raises(ValueError, match="can see keys from 0"):
         KVWindow.from_prefill(narrow_and_wide(), x[:, :1], x[:, :1], start=1)     # a key the next query needs
@@ -146,8 +146,8 @@ def test_window_decoding_equals_dense_oracle_holding_exactly_w_keys(dtype, tol):
 
 def test_a_window_keeps_no_key_too_many():
     """With one key fewer than first_needed the widest head's output changes (the dense oracle,
-    which takes any keys, shows it) and the fast backend refuses the call, naming the gap: the
-    kept keys are exactly the ones a later query needs."""
+    which takes any keys, shows it) and every backend (the reference one too) refuses the call,
+    naming the gap: the kept keys are exactly the ones a later query needs."""
     win, n = alibi_window(), 200
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64)
@@ -156,16 +156,19 @@ def test_a_window_keeps_no_key_too_many():
     want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)[:, :, p:]
     first = int(first_needed(win, [p])[0])
     errs = []
-    for c0, backend in ((first, WINDOW_AND_DOCUMENTS_BACKEND), (first + 1, "reference")):
-        out = poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, c0:], v[:, :, c0:], win.slopes, window=win.window,
-                                              causal=True, q_start=p, k_start=c0, backend=backend)
-        errs.append((out - want).abs().amax((0, 2, 3)))                         # per head
+    out = poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, first:], v[:, :, first:], win.slopes, window=win.window,
+                                          causal=True, q_start=p, k_start=first, backend=WINDOW_AND_DOCUMENTS_BACKEND)
+    errs.append((out - want).abs().amax((0, 2, 3)))                             # per head
+    short = poslsh.alibi_attention(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,  # the oracle
+                                   window=win.window, causal=True, q_start=p, k_start=first + 1)
+    errs.append((short - want).abs().amax((0, 2, 3)))
     assert float(errs[0].max()) < 1e-12
     assert float(errs[1][3]) > 1e-3 and float(errs[1][:3].max()) < 1e-12
-    with pytest.raises(ValueError, match="can see keys in"):
-        poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,
-                                        window=win.window, causal=True, q_start=p, k_start=first + 1,
-                                        backend=WINDOW_AND_DOCUMENTS_BACKEND)
+    for backend in (WINDOW_AND_DOCUMENTS_BACKEND, "reference"):       # every backend refuses, in the same words
+        with pytest.raises(ValueError, match=f"can see keys in \\[{first}, {n}\\): pass keys from k_start <= {first}"):
+            poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,
+                                            window=win.window, causal=True, q_start=p, k_start=first + 1,
+                                            backend=backend)
 
 
 # ------------------------------------------------------------------ packed prefill

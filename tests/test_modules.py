@@ -35,8 +35,21 @@ def test_schedule_rejects_bad_arguments():
         poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3, sampler="nope")
     with pytest.raises(ValueError, match="step must be an int"):
         poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3).partitions(True, -1)
-    with pytest.raises(ValueError, match="i.i.d. only"):
-        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3, sampler="grouped", dims=2)
+    with pytest.raises(ValueError, match="dims must be 1"):
+        poslsh.PartitionSchedule(poslsh.alibi_sigmas(2), 3, dims=3)
+
+
+def test_grid_schedule_takes_every_sampler():
+    """dims=2 draws grouped (and stratified) boxes, each axis on its own, under the documented seed:
+    the grouped boxes run on the fast grid op like any others."""
+    sched = poslsh.PartitionSchedule(poslsh.alibi_sigmas(3), 6, sampler="grouped", group_size=3, dims=2, layer=1)
+    boxes = sched.partitions(True, 2)
+    want = poslsh.sample_partitions_nd(poslsh.alibi_sigmas(3), 6, sampler="grouped", group_size=3,
+                                       seed=stable_seed(*sched.key(True, 2)))
+    assert boxes == want and all(a.groups is not None for a in boxes.axes)
+    q, k, v = make_qkv(1, 3, 3, 20, 8)
+    fast = poslsh.poslsh_attention_nd(q, k, v, boxes, grid=(4, 5), backend="torch")
+    assert torch.allclose(fast, poslsh.reference.poslsh_attention_reference_nd(q, k, v, boxes, grid=(4, 5)), atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -65,25 +78,27 @@ def test_module_without_projections_grids_and_documents():
     parts = m.partitions()
     cu = torch.tensor([0, 5, 12])
     packed = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, causal=False, backend=BACKEND).eval()
-    assert torch.allclose(packed(q, k, v, cu_seqlens=cu),
+    assert torch.allclose(packed.attend(q, k, v, cu_seqlens=cu),
                           poslsh.poslsh_attention_reference(q, k, v, parts, cu_seqlens=cu), atol=1e-12)
-    assert torch.allclose(m(q, k, v), poslsh.poslsh_attention_reference(q, k, v, parts), atol=1e-12)
+    assert torch.allclose(m.attend(q, k, v), poslsh.poslsh_attention_reference(q, k, v, parts), atol=1e-12)
     grid = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, dims=2, causal=False).eval()
-    want = poslsh.poslsh_attention_reference_nd(q, k, v, grid.partitions(), grid=(3, 4))
-    assert torch.allclose(grid(q, k, v, grid=(3, 4)), want, atol=1e-12)
+    want = poslsh.reference.poslsh_attention_reference_nd(q, k, v, grid.partitions(), grid=(3, 4))
+    assert torch.allclose(grid.attend(q, k, v, grid=(3, 4)), want, atol=1e-12)
     with pytest.raises(ValueError, match="grid=\\(height, width\\)"):
-        grid(q, k, v)
-    with pytest.raises(ValueError, match="takes q, k, v"):
+        grid.attend(q, k, v)
+    with pytest.raises(ValueError, match="has no projections: call .attend\\(q, k, v\\)"):
         m(q)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         poslsh.PoslshAttention(8, 4, num_kv_heads=3)
 
 
-def test_example_model_trains_on_cpu():
-    """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text."""
+@pytest.mark.parametrize("attention", ["poslsh", "alibi-window"])
+def test_example_model_trains_on_cpu(attention):
+    """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text, on
+    positional LSH and on the ALiBi window."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.tiny_gpt import GPTConfig, train
-    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_samples=4)
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_samples=4, attention=attention)
     data = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 40), dtype=torch.long)
     _, losses = train(cfg, data, steps=40, batch=4, log_every=0)
     print(losses[:3], losses[-3:])

@@ -72,7 +72,7 @@ def test_mean_mask_converges_within_hoeffding_bound():
     n, s, delta = 128, 4000, 1e-3
     sig = poslsh.alibi_sigmas(4)
     P = poslsh.sample_partitions(sig, s, seed=7)
-    err = (P.dense_mean(n) - poslsh.alibi_matrix(n, sig)).abs().amax((1, 2))
+    err = (P.dense_mean(n) - poslsh.alibi.alibi_matrix(n, sig)).abs().amax((1, 2))
     eps = theory.max_norm_deviation_bound(n, s, delta)
     print("max-norm errors", err.tolist(), "eq.(3) bound at delta=1e-3:", eps)
     assert (err < eps).all()
@@ -86,7 +86,7 @@ def test_block_size_bound_eq4_holds():
     blk = P.blocks(n)
     key = blk.head * trials + blk.sample // s
     bmax = torch.zeros(4 * trials, dtype=torch.long).scatter_reduce(0, key, blk.length, "amax").view(4, trials)
-    bounds = torch.tensor([theory.block_size_bound(sg, s, delta) for sg in P.sigma.tolist()])
+    bounds = torch.tensor([theory.block_size_bound(num_samples=s, sigma=sg, delta=delta) for sg in P.sigma.tolist()])
     violations = int((bmax > bounds[:, None]).sum())
     print("largest b_max / bound per head:", (bmax / bounds[:, None]).amax(1).tolist(), "violations", violations)
     # Each (trial, head) violates with probability < delta: at most 12 expected of 1200; allow 3x.
@@ -134,7 +134,7 @@ def test_bad_constructor_arguments():
 def test_to_any_device_including_meta(method):
     """``to`` moves checked values without checking them again: the meta device (no values) works,
     for sampled, grouped and fixed partitions; constructing on meta checks shapes only."""
-    P = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0, method=method, widths=poslsh.GammaWidths(3.0))
+    P = poslsh.sample_partitions(poslsh.alibi_sigmas(4), 8, seed=0, sampler=method, widths=poslsh.GammaWidths(3.0))
     m = P.to("meta")
     assert m.device.type == "meta" and m.widths.shape == (4, 8) and m.offsets.device.type == "meta"
     assert m.sigma.device.type == "meta" and m.distribution == P.distribution and (m.groups is None) == (method == "iid")

@@ -124,3 +124,30 @@ def test_documents_are_checked_at_the_boundary():
         poslsh.alibi_attention(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0., 5.]))
     with pytest.raises(ValueError, match="window: windows must be >= 0"):
         poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor([1, -1]))
+
+
+def test_one_positions_rule_unequal_lengths_need_positions():
+    """nq != nk without q_start raises in every oracle (and the fast ops), naming flash-attention's
+    bottom-right mapping; with q_start = k_start + nk - nq the oracles give the last rows of the whole."""
+    from poslsh.reference import dense_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = poslsh.alibi_slopes(2)
+    parts = poslsh.sample_partitions(1 / slopes, 3, seed=0)
+    rule = "pass q_start .*q_start = k_start \\+ nk - nq"
+    calls = [lambda: poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True),
+             lambda: poslsh.poslsh_attention_reference(q[:, :, 6:], k, v, parts, causal=True),
+             lambda: dense_attention(q[:, :, 6:], k, v, causal=True),
+             lambda: poslsh.alibi.alibi_bias(9, slopes, num_queries=3),
+             lambda: poslsh.poslsh_attention(q[:, :, 6:], k, v, parts, causal=True),
+             lambda: poslsh.windowed_alibi_attention(q[:, :, 6:], k, v, slopes, window=3, causal=True)]
+    for call in calls:
+        with pytest.raises(ValueError, match=rule):
+            call()
+    whole = poslsh.alibi_attention(q, k, v, slopes, causal=True)
+    last = poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True, q_start=6)
+    assert torch.equal(last, whole[:, :, 6:])
+    bias = poslsh.alibi.alibi_bias(9, slopes, num_queries=3, q_start=6, causal=True)
+    assert torch.equal(bias, poslsh.alibi.alibi_bias(9, slopes, causal=True)[:, 6:])
+    assert torch.allclose(dense_attention(q[:, :, 6:], k, v, causal=True, q_start=6),
+                          dense_attention(q, k, v, causal=True)[:, :, 6:], atol=1e-14, rtol=0)

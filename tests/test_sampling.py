@@ -1,4 +1,4 @@
-"""Correlated samplers (``method="stratified" | "grouped"``): every slot marginally
+"""Correlated samplers (``sampler="stratified" | "grouped"``): every slot marginally
 exact, E[M~] = L*, the lattice count equal to mask-by-mask counting, the group
 structure kept, seeds reproducible, the backends exact, the grouped bound valid."""
 import math
@@ -21,7 +21,7 @@ METHODS = [("stratified", None), ("grouped", None), ("grouped", "sqrt"), ("group
 def test_every_slot_is_marginally_gamma_and_uniform(method, k):
     # R heads with one sigma = R independent draws of the s slots
     R, s, sigma = 3000, 10, 7.0
-    P = sample_partitions(torch.full((R,), sigma), s, seed=11, method=method, group_size=k)
+    P = sample_partitions(torch.full((R,), sigma), s, seed=11, sampler=method, group_size=k)
     worst = []
     for t in range(s):
         b = P.widths[:, t].numpy() / sigma
@@ -42,10 +42,10 @@ def test_every_slot_is_marginally_gamma_and_uniform(method, k):
 def test_mean_mask_is_unbiased(method, k):
     n, s, R = 48, 20, 4000        # s = 20: 5 groups of 4 (default), 4 groups of 5 (sqrt), 20 strata
     for sigma in (4.0, 16.0):
-        P = sample_partitions(torch.full((R,), sigma), s, seed=3, method=method, group_size=k)
+        P = sample_partitions(torch.full((R,), sigma), s, seed=3, sampler=method, group_size=k)
         m = P.dense_mean(n)                                  # [R, n, n]: R independent draws of M~
         mean, se = m.mean(0), m.std(0) / math.sqrt(R)
-        lstar = poslsh.alibi_matrix(n, torch.tensor([sigma]))[0]
+        lstar = poslsh.alibi.alibi_matrix(n, torch.tensor([sigma]))[0]
         use = (lstar > 0.02) & (lstar < 0.98)
         z = ((mean - lstar) / se)[use]
         # and one global statistic: the per-draw average of the used entries (R i.i.d. values)
@@ -61,7 +61,7 @@ def test_mean_mask_is_unbiased(method, k):
 @pytest.mark.parametrize("k", [None, "sqrt", 3, 8])
 def test_group_count_equals_per_mask_counting(sigma, k):
     n, s = 160, 17
-    P = sample_partitions(torch.full((3,), sigma), s, seed=int(sigma * 10) + len(str(k)), method="grouped",
+    P = sample_partitions(torch.full((3,), sigma), s, seed=int(sigma * 10) + len(str(k)), sampler="grouped",
                           group_size=k)
     labels = block_labels(P.widths, P.offsets, torch.arange(n, dtype=torch.float64))   # [H, s, n]
     width, origin, size = P.group_lattices()
@@ -97,10 +97,10 @@ def test_group_sizes_and_structure():
     assert group_sizes(4, "grouped", 8) == [2, 2]
     assert group_sizes(1, "grouped") == [1]
     assert group_sizes(6, "stratified") == [1] * 6
-    P = sample_partitions(poslsh.alibi_sigmas(4), 20, seed=0, method="grouped", group_size=4)
+    P = sample_partitions(poslsh.alibi_sigmas(4), 20, seed=0, sampler="grouped", group_size=4)
     assert P.num_groups == 5 and P.effective_groups() == 5.0
     assert (P.group_sizes() == 4).all()
-    assert sample_partitions(poslsh.alibi_sigmas(2), 9, seed=0, method="stratified").effective_groups() == 9
+    assert sample_partitions(poslsh.alibi_sigmas(2), 9, seed=0, sampler="stratified").effective_groups() == 9
     iid = sample_partitions(poslsh.alibi_sigmas(2), 9, seed=0)
     assert iid.groups is None and iid.num_groups == 9 and iid.effective_groups() == 9
     # one width per group, from its own quantile stratum: group g's widths increase with g
@@ -110,9 +110,9 @@ def test_group_sizes_and_structure():
 
 def test_seeds_reproduce_and_structure_survives_to_and_slicing():
     sig = poslsh.alibi_sigmas(6)
-    a = sample_partitions(sig, 10, seed=5, method="grouped")
-    b = sample_partitions(sig, 10, generator=torch.Generator().manual_seed(5), method="grouped")
-    c = sample_partitions(sig, 10, seed=6, method="grouped")
+    a = sample_partitions(sig, 10, seed=5, sampler="grouped")
+    b = sample_partitions(sig, 10, generator=torch.Generator().manual_seed(5), sampler="grouped")
+    c = sample_partitions(sig, 10, seed=6, sampler="grouped")
     assert a == b and a is not b and a != c
     assert a != sample_partitions(sig, 10, seed=5)                     # iid: a different draw
     assert a.to("cpu") is a and a.to(torch.device("cpu")).groups is a.groups
@@ -127,10 +127,10 @@ def test_seeds_reproduce_and_structure_survives_to_and_slicing():
 
 def test_bad_arguments_are_one_line_errors():
     sig = torch.tensor([2.0])
-    for kwargs, word in [(dict(method="sobol"), "method"), (dict(method="iid", group_size=4), "group_size"),
-                         (dict(method="grouped", group_size=0), "group_size"),
-                         (dict(method="grouped", group_size=2.5), "group_size"),
-                         (dict(method="grouped", group_size="cubic"), "group_size")]:
+    for kwargs, word in [(dict(sampler="sobol"), "sampler"), (dict(sampler="iid", group_size=4), "group_size"),
+                         (dict(sampler="grouped", group_size=0), "group_size"),
+                         (dict(sampler="grouped", group_size=2.5), "group_size"),
+                         (dict(sampler="grouped", group_size="cubic"), "group_size")]:
         with pytest.raises(ValueError, match=word) as e:
             sample_partitions(sig, 4, **kwargs)
         assert "\n" not in str(e.value)
@@ -151,7 +151,7 @@ def test_torch_backend_matches_float64_oracle_on_grouped(causal):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, n, d, generator=g, dtype=torch.float64) for _ in range(3))
     for method, size in [("grouped", None), ("grouped", 4), ("stratified", None)]:
-        P = sample_partitions(poslsh.alibi_sigmas(H), 10, seed=1, method=method, group_size=size)
+        P = sample_partitions(poslsh.alibi_sigmas(H), 10, seed=1, sampler=method, group_size=size)
         out = poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch")
         ref = poslsh_attention_reference(q, k, v, P, causal=causal)
         err = float((out - ref).abs().max())
@@ -164,15 +164,15 @@ def test_grouped_bound_holds_and_iid_bound_is_kept():
     sig = poslsh.alibi_sigmas(4)
     iid = sample_partitions(sig, s, seed=0)
     assert theory.max_norm_bound_for(iid, n, delta) == theory.max_norm_deviation_bound(n, s, delta)
-    strat = sample_partitions(sig, s, seed=0, method="stratified")
+    strat = sample_partitions(sig, s, seed=0, sampler="stratified")
     assert theory.max_norm_bound_for(strat, n, delta) == pytest.approx(theory.max_norm_deviation_bound(n, s, delta))
-    G = sample_partitions(sig, s, seed=0, method="grouped", group_size=4).effective_groups()
+    G = sample_partitions(sig, s, seed=0, sampler="grouped", group_size=4).effective_groups()
     eps = theory.grouped_max_norm_deviation_bound(n, G, delta)
     assert theory.grouped_max_norm_tail_probability(eps, n, G) == pytest.approx(delta)
     assert eps > theory.max_norm_deviation_bound(n, s, delta)            # fewer independent terms: weaker
     worst = 0.0
     for t in range(30):
-        P = sample_partitions(sig, s, seed=100 + t, method="grouped", group_size=4)
+        P = sample_partitions(sig, s, seed=100 + t, sampler="grouped", group_size=4)
         err = theory.max_norm_error(P, n)
         worst = max(worst, float(err.max()) / theory.max_norm_bound_for(P, n, delta))
     print(f"grouped s={s}, G={G}: largest ||L*-M~||max / bound over 30 draws x 4 heads = {worst:.3f}")
@@ -203,8 +203,8 @@ WIDTHS = [poslsh.GammaWidths(1.0), poslsh.GammaWidths(3.5), poslsh.FixedWidth(2.
 def test_default_widths_are_gamma2_bit_for_bit():
     sig = poslsh.alibi_sigmas(4)
     for method, k in [("iid", None)] + METHODS:
-        a = sample_partitions(sig, 9, seed=2, method=method, group_size=k)
-        b = sample_partitions(sig, 9, seed=2, method=method, group_size=k, widths=poslsh.GammaWidths(2.0))
+        a = sample_partitions(sig, 9, seed=2, sampler=method, group_size=k)
+        b = sample_partitions(sig, 9, seed=2, sampler=method, group_size=k, widths=poslsh.GammaWidths(2.0))
         assert a == b and a.distribution == poslsh.GammaWidths()
     # built from tensors with a sigma: the widths are Gamma(2) unless told otherwise
     assert Partitions(a.widths, a.offsets, a.sigma).distribution == poslsh.GammaWidths()
@@ -220,7 +220,7 @@ def test_widths_give_their_kernel_exactly(widths, method):
     5 sqrt(k (1 - k) / R) everywhere (Var M~ <= k (1 - k) for any [0, 1] variable of mean k), and
     exactly equal where k is 0 or 1 (outside the triangle kernel's support, on the diagonal)."""
     R, n, s, sigma = 2000, 30, 8, 3.0
-    P = sample_partitions(torch.full((R,), sigma), s, seed=7, method=method, widths=widths)
+    P = sample_partitions(torch.full((R,), sigma), s, seed=7, sampler=method, widths=widths)
     assert P.distribution == widths and (P.groups is None) == (method == "iid")
     L = P.select_heads([0]).expected_mean(n)[0]              # every head has the same sigma
     M = P.dense_mean(n)
@@ -234,12 +234,12 @@ def test_widths_give_their_kernel_exactly(widths, method):
     assert torch.equal(mean[edge], L[edge]) and int(edge.sum()) >= n
     # the kernel matrix is the one of expected_mask (N-D, one axis), and ALiBi's for Gamma(2)
     few = P.select_heads([0, 1])
-    assert torch.equal(few.expected_mean(n), poslsh.expected_mask(torch.arange(n)[:, None], few.sigma, widths))
+    assert torch.equal(few.expected_mean(n), poslsh.partitions_nd.expected_mask(torch.arange(n)[:, None], few.sigma, widths))
 
 
 def test_gamma2_expected_mean_is_alibi():
     P = sample_partitions(poslsh.alibi_sigmas(4), 3, seed=0)
-    assert (P.expected_mean(64) - poslsh.alibi_matrix(64, P.sigma)).abs().max().item() < 1e-15
+    assert (P.expected_mean(64) - poslsh.alibi.alibi_matrix(64, P.sigma)).abs().max().item() < 1e-15
     with pytest.raises(ValueError, match="E\\[M\\] = M"):
         Partitions.fixed_blocks(2, 4).expected_mean(10)
 
@@ -247,14 +247,14 @@ def test_gamma2_expected_mean_is_alibi():
 @pytest.mark.parametrize("method", ["stratified", "grouped"])
 def test_stratified_gamma_widths_are_marginally_exact(method):
     R, s, m = 3000, 6, 3.5
-    P = sample_partitions(torch.full((R,), 2.0), s, seed=13, method=method, widths=poslsh.GammaWidths(m))
+    P = sample_partitions(torch.full((R,), 2.0), s, seed=13, sampler=method, widths=poslsh.GammaWidths(m))
     p = min(stats.kstest(P.widths[:, t].numpy() / 2.0, stats.gamma(m).cdf).pvalue for t in range(s))
     print(method, "smallest KS p over slots", p)
     assert p > 1e-3
 
 
 def test_fixed_widths_in_groups_are_shifted_grids():
-    P = sample_partitions(torch.tensor([2.0, 5.0]), 8, seed=0, method="grouped", widths=poslsh.FixedWidth(3.0))
+    P = sample_partitions(torch.tensor([2.0, 5.0]), 8, seed=0, sampler="grouped", widths=poslsh.FixedWidth(3.0))
     assert torch.equal(P.widths, torch.tensor([[6.0] * 8, [15.0] * 8], dtype=torch.float64))
     width, origin, size = P.group_lattices()
     assert (size == 4).all() and torch.equal(width, P.widths[:, :2])
@@ -290,9 +290,9 @@ def test_widths_without_a_quantile_are_iid_only():
 
     P = sample_partitions(torch.tensor([1.0, 2.0]), 5, seed=0, widths=Uniform())
     assert P.widths.shape == (2, 5) and bool((P.widths >= 1).all())
-    with pytest.raises(ValueError, match=r"method='grouped' stratifies widths through their quantile function, "
-                                         r"which widths=uniform\(1, 3\) does not have: use method='iid'") as e:
-        sample_partitions(torch.tensor([1.0]), 5, method="grouped", widths=Uniform())
+    with pytest.raises(ValueError, match=r"sampler='grouped' stratifies widths through their quantile function, "
+                                         r"which widths=uniform\(1, 3\) does not have: use sampler='iid'") as e:
+        sample_partitions(torch.tensor([1.0]), 5, sampler="grouped", widths=Uniform())
     assert "\n" not in str(e.value)
     with pytest.raises(TypeError, match="widths must be a width distribution"):
         sample_partitions(torch.tensor([1.0]), 5, widths="gamma")

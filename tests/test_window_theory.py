@@ -1,7 +1,7 @@
-"""The window's truncation bound (poslsh.window_theory): its closed form equals the per-query
+"""The window's truncation bound (poslsh.window.theory): its closed form equals the per-query
 maximum it claims, it is never violated by exact ALiBi cut at the window (float64 dense oracle,
 random and adversarial inputs, causal and two-sided), it is attained by the adversarial instance
-of its proof, and ``alibi_window`` is the smallest window meeting a tolerance. Real Q/K/V
+of its proof, and ``smallest_window`` is the smallest window meeting a tolerance. Real Q/K/V
 (SmolLM2): paper/tests/experiments/test_frontier.py."""
 import math
 
@@ -135,14 +135,14 @@ def test_a_far_key_with_a_large_logit_just_outside_the_window(causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n", [None, 1, 50, 4096])
-def test_alibi_window_is_the_smallest_window(n, causal):
+def test_smallest_window_is_the_smallest_window(n, causal):
     g = torch.Generator().manual_seed(0)
     sigma = torch.tensor([0.5, 1.41, 2.0, 8.0, 64.0, 256.0, 1000.0], dtype=torch.float64)
     for _ in range(6):
         R = float(torch.rand((), generator=g) * 20)
         tol = float(10 ** (-torch.rand((), generator=g) * 8))
         for value_range in (None, 2.0):
-            w = theory.alibi_window(sigma, tol, R, causal=causal, n=n, value_range=value_range)
+            w = theory.smallest_window(tol, sigma, R, causal=causal, n=n, value_range=value_range)
             assert w.dtype == torch.int64 and w.shape == sigma.shape
             b = theory.window_error_bound(w, sigma, R, causal=causal, n=n, value_range=value_range)
             assert bool((b <= tol).all()), (R, tol, w, b)
@@ -152,11 +152,11 @@ def test_alibi_window_is_the_smallest_window(n, causal):
             if n is not None:
                 assert bool((w <= n - 1).all() | (n == 1))
     # about sigma (R + ln 1/tol) for the causal n=None case
-    w = theory.alibi_window(torch.tensor([100.0]), 1e-3, 10.0)
+    w = theory.smallest_window(1e-3, torch.tensor([100.0]), 10.0)
     assert abs(float(w) - 100 * (10 + math.log(1e3))) < 100 * 0.01 + 1
 
 
-def test_alibi_window_meets_the_tolerance_on_the_dense_oracle():
+def test_smallest_window_meets_the_tolerance_on_the_dense_oracle():
     n, H, d = 700, 3, 8
     g = torch.Generator().manual_seed(3)
     sigma = torch.tensor([2.0, 16.0, 64.0], dtype=torch.float64)
@@ -165,7 +165,7 @@ def test_alibi_window_meets_the_tolerance_on_the_dense_oracle():
     v = torch.rand(1, H, n, 4, generator=g, dtype=torch.float64)          # values in [0, 1): range <= 1
     R = theory.logit_range(q, k)
     for tol in (1e-2, 1e-5):
-        w = theory.alibi_window(sigma, tol, R, n=n, value_range=1.0)
+        w = theory.smallest_window(tol, sigma, R, n=n, value_range=1.0)
         _, err = _dropped_and_error(q, k, v, 1 / sigma, w, True)
         assert bool((err <= tol).all())
 
@@ -186,7 +186,7 @@ def test_logit_range_and_argument_errors():
                         (lambda: theory.window_error_bound(3, 0.0, 1.0), "sigma must be > 0"),
                         (lambda: theory.window_error_bound(3, 4.0, -1.0), "logit_range must be >= 0"),
                         (lambda: theory.window_error_bound(3, 4.0, 1.0, n=0), "n must be None"),
-                        (lambda: theory.alibi_window(4.0, 0.0, 1.0), "tol must be > 0"),
+                        (lambda: theory.smallest_window(0.0, 4.0, 1.0), "tol must be > 0"),
                         (lambda: theory.window_error_bound(3, float("nan"), 1.0), "sigma must be finite"),
                         (lambda: theory.logit_range(q[0], k), "expected")]:
         with pytest.raises(ValueError, match=match):

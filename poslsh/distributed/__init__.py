@@ -9,7 +9,7 @@ objects make a query see only nearby keys, so the queries of a shard see exactly
   contiguous; ``lo_r`` = the earliest block start of the shard's first query over all heads
   and samples, ``hi_r`` = the shard end (causal) or the latest block end of its last query;
   the halo is bounded by the widest sampled block;
-* :class:`~poslsh.alibi.AlibiWindow` (exact ALiBi cut at per-head windows): a halo of
+* :class:`~poslsh.AlibiWindow` (exact ALiBi cut at per-head windows): a halo of
   ``W = max_h w_h`` keys on the left (and on the right when not causal).
 
 Either way the halo is independent of ``n``; exact ALiBi would need every key (ring
@@ -62,7 +62,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, positional: Posi
         k: ``[B, Hkv, L, d]``, v: ``[B, Hkv, L, dv]``: this rank's keys and values, same positions
             (``Hq`` a multiple of ``Hkv``; ``L`` may differ between ranks).
         positional: the :class:`~poslsh.partitions.Partitions` or the
-            :class:`~poslsh.alibi.AlibiWindow` (``poslsh.alibi.make_window(slopes, window)``) of the
+            :class:`~poslsh.AlibiWindow` (``poslsh.window.make_window(slopes, window)``) of the
             ``Hq`` heads, identical on every rank (checked).
         causal: attend only to keys at positions ``<= i``.
         scale: logit scale, default ``1 / sqrt(d)`` (the resolved value is checked across ranks).

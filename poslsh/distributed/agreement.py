@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._validation import check_heads, check_qkv, check_scale
-from ..decoding import Positional, check_positional, op_of
+from .._validation import check_qkv, check_scale
 from ..ops import load_backends, registry
+from ..positional import Positional, check_positional, kind_name
 from .layout import ShardLayout, key_ranges
 
 __all__ = ["positional_fingerprint", "partitions_fingerprint", "Agreed", "agree", "gather_layout", "FIELDS"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_KINDS = ("sequence", "window")
+_KINDS = ("sequence", "window")      # the kinds a sequence is sharded with (their index is gathered)
 # Per-rank integers of the metadata all_gather (their order in the gathered table).
 FIELDS = ("ok", "message_bytes", "start", "length", "seq_len", "causal", "grad", "kind", "fingerprint", "scale",
           "backend", "batch", "q_heads", "kv_heads", "head_dim", "v_dim", "dtype")
@@ -49,20 +49,10 @@ def _hash64(*chunks: bytes) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _tensor_bytes(t: Tensor) -> bytes:
-    t = t.detach().to("cpu", torch.float64 if t.dtype.is_floating_point else torch.int64).reshape(-1).contiguous()
-    return repr(tuple(t.shape)).encode() + bytes(t.view(torch.uint8).tolist())
-
-
 def positional_fingerprint(positional: Positional) -> int:
-    """A signed 64-bit hash of a positional object, bit for bit: a :class:`Partitions`' widths
-    and offsets, or an :class:`AlibiWindow`'s slopes and windows (with its kind and shapes)."""
-    if op_of(positional) == "window":
-        tensors = (positional.slopes, positional.window)
-    else:
-        tensors = (positional.widths, positional.offsets)
-    shape = repr(tuple(tensors[0].shape)).encode()
-    return _hash64(op_of(positional).encode(), shape, *(_tensor_bytes(t) for t in tensors))
+    """A signed 64-bit hash of a positional object, bit for bit: its kind and tensors
+    (:meth:`~poslsh.positional.Positional.fingerprint`)."""
+    return check_positional(positional).fingerprint()
 
 
 partitions_fingerprint = positional_fingerprint       # the name of earlier releases
@@ -110,8 +100,8 @@ def _ranks(rs: List[int]) -> str:
 def _local_row(q, k, v, positional, causal, scale, shard_start, seq_len, backend) -> Tuple[List[int], float, str]:
     """This rank's metadata row, the resolved scale and backend; raises on bad input."""
     shape = check_qkv(q, k, v)
-    check_positional(positional)
-    check_heads(positional, shape.q_heads)
+    check_positional(positional, op=_KINDS)
+    positional.check_heads(shape.q_heads)
     scale = check_scale(scale, shape.head_dim)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -120,11 +110,11 @@ def _local_row(q, k, v, positional, causal, scale, shard_start, seq_len, backend
             raise ValueError(f"{name} must be an int >= 0 or None, got {x!r}")
     load_backends()
     # The local kernel's backend is resolved here, so a rank that cannot run it fails before any peer waits.
-    name = registry.resolve(backend, op_of(positional), q, {"spans"}).name
+    name = registry.resolve(backend, positional.op, q, {"spans"}).name
     grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     row = dict(ok=1, message_bytes=0, start=-1 if shard_start is None else shard_start, length=shape.seqlen,
                seq_len=-1 if seq_len is None else seq_len, causal=int(causal), grad=int(grad),
-               kind=_KINDS.index(op_of(positional)), fingerprint=positional_fingerprint(positional),
+               kind=_KINDS.index(positional.op), fingerprint=positional.fingerprint(),
                scale=_float_bits(scale), backend=_hash64(name.encode()), batch=shape.batch, q_heads=shape.q_heads,
                kv_heads=shape.kv_heads, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=_DTYPES.index(q.dtype))
     return [row[f] for f in FIELDS], scale, name
@@ -202,7 +192,7 @@ def check_table(table: List[List[int]]) -> Tuple[List[int], List[int], int]:
                         [bool(x) for x in col["grad"]], "the backward exchange is collective: every rank must "
                         "differentiate the call, or none")
     if len(set(col["kind"])) > 1:
-        raise _disagree("the positional object", [("Partitions", "AlibiWindow")[x] for x in col["kind"]])
+        raise _disagree("the positional object", [kind_name(_KINDS[x]).split(".")[-1] for x in col["kind"]])
     if len(set(col["fingerprint"])) > 1:
         what = "ALiBi windows (slopes, windows)" if col["kind"][0] else "partitions"
         raise ValueError(f"context-parallel {what} differ across ranks (fingerprints split the ranks into "

@@ -19,11 +19,12 @@ reloads as itself with plain ``AutoModelForCausalLM.from_pretrained`` once posls
 imported, and fails loudly without it.
 
 Where the pieces live: :mod:`.hf_convert` (``PositionalConfig``, RoPE removal, the saved
-scheme), :mod:`.hf_state` (each layer's partition schedule, window and bias),
+scheme), :mod:`.hf_state` (each layer's positional object: its partition schedule, window and bias),
 :mod:`.hf_masks` (padding, packed documents, the mask builder), :mod:`.hf_cache` (the bounded
-KV cache for ``generate()``); here the attention functions, each ``fn(module, query [B, Hq, nq, d],
-key/value [B, Hkv, nk, d], attention_mask, scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``,
-and the public API.
+KV cache for ``generate()``); here the one attention function of every scheme,
+:func:`attention_forward` (``fn(module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d], attention_mask,
+scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``; the schemes differ only in their positional
+object and :data:`SCHEME_RULES`), and the public API.
 
 Partitions follow :class:`poslsh.PartitionSchedule`: in training mode every forward pass
 draws fresh partitions seeded by ``(seed, step, layer)``, where ``step`` is passed along with
@@ -38,22 +39,22 @@ Masks: no mask, causal right or left padding and packed batches (``position_ids`
 or ``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``) run the near-linear ops; any other
 mask is applied exactly by a dense ``O(nq * nk)`` path with one warning per model that names it.
 Exact ALiBi (``"alibi"``) is dense like stock ``sdpa``, packed documents included
-(:func:`poslsh.reference.alibi_attention` with their ids). Attention dropout and logit
+(the dense oracle of :func:`poslsh.attend` with their ids). Attention dropout and logit
 softcapping raise.
 
-Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks model built, converted or
-loaded here uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
+Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks / alibi-window model built,
+converted or loaded here uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
 (:func:`generation_cache`, :func:`enable_generation_cache`), which drops the keys no later
-query can see. Decoding against a full cache (``DynamicCache``, left padding; the only cache of
-the alibi-window scheme for now) runs the op at the queries' and keys' positions
-(``q_start``, ``k_start``), one call per group of rows with equal offsets.
+query can see. Decoding against a full cache (``DynamicCache``, left padding) runs the op at the
+queries' and keys' positions (``q_start``, ``k_start``), one call per group of rows with equal offsets.
+Context parallelism (``poslsh_context``): every scheme but exact ALiBi.
 """
 from __future__ import annotations
 
 import logging
 import weakref
 from dataclasses import asdict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -62,21 +63,21 @@ from . import require_transformers
 
 require_transformers()      # one line naming what to install, before the imports that need it
 
-from ..alibi import alibi_slopes  # noqa: E402
-from ..attention import poslsh_attention, windowed_alibi_attention
-from ..reference import alibi_attention, dense_attention
+from ..attention import attend  # noqa: E402
+from ..reference import dense_attention
 from . import hf_cache
 from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
 from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
                          positional_config, register_rope_type)
 from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
                        padded_self_attention, window_mask)
-from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_state, layer_window
+from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
-           "fixed_blocks_attention_forward", "alibi_window_attention_forward", "PoslshCache", "generation_cache",
+           "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
+           "layer_positional", "PoslshCache", "generation_cache",
            "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG"]
 
 log = logging.getLogger("poslsh.integrations.hf")
@@ -120,12 +121,13 @@ def _sliding(kwargs, nk: int) -> Optional[int]:
 
 
 def _dense(query, key, value, allowed, bias, scaling, causal, window) -> Tensor:
-    """Exact attention with an additive bias ``[H, nq, nk]``; queries are the last ``nq`` of
-    ``nk`` positions. A given mask is authoritative (it already encodes causality)."""
+    """Exact attention with an additive bias ``[H, nq, nk]``; the queries sit at positions
+    ``[nk - nq, nk)`` of the keys ``[0, nk)`` (a full cache). A given mask is authoritative (it
+    already encodes causality)."""
     nq, nk = query.shape[2], key.shape[2]
     mask = window_mask(allowed, nq, nk, causal, window, query.device)
     return dense_attention(query, key, value, bias[None], allowed=mask, causal=causal and mask is None,
-                           scale=scaling)
+                           scale=scaling, q_start=nk - nq)
 
 
 # Dense-fallback warnings already given: (id(config), scheme, cause) -> config (weak: dies with the model).
@@ -139,115 +141,94 @@ def _warn_dense_once(module, scheme: str, cause: str) -> None:
         _WARNED[key] = module.config
 
 
-def _fast(attend, query, key, value, allowed, causal: bool, window: Optional[int], kwargs) -> Optional[Tensor]:
-    """Self-attention by the near-linear op ``attend(q, k, v, **documents)`` when the mask allows it:
+def _fast(attend_op, query, key, value, allowed, causal: bool, window: Optional[int], kwargs) -> Optional[Tensor]:
+    """Self-attention by the near-linear op ``attend_op(q, k, v, **documents)`` when the mask allows it:
     none, causal padding or packed documents; None otherwise."""
     B, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     if window is not None:
         return None
     docs = packed_documents(allowed, kwargs, B, nq, nk)
     if docs is not None:
-        return attend(query, key, value, **docs)
+        return attend_op(query, key, value, **docs)
     if nq != nk:
         return None
-    out = padded_self_attention(attend, query, key, value, allowed, causal)
+    out = padded_self_attention(attend_op, query, key, value, allowed, causal)
     if out is None and allowed is not None and (ids := documents_from_mask(allowed, causal)) is not None:
-        out = attend(query, key, value, document_ids=ids)
+        out = attend_op(query, key, value, document_ids=ids)
     return out
 
 
-def _block_attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None,
-                             dropout: float = 0.0, **kwargs):
+class SchemeRules(NamedTuple):
+    """What differs between the schemes; everything else is one attention function."""
+
+    near_linear: bool     # the near-linear ops (else dense like stock sdpa: exact ALiBi)
+    resampled: bool       # training draws new partitions every forward (decoding needs model.eval())
+
+
+SCHEME_RULES = {"poslsh": SchemeRules(True, True), "fixed_blocks": SchemeRules(True, True),
+                "alibi-window": SchemeRules(True, False), "alibi": SchemeRules(False, False)}
+
+
+def attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0,
+                      **kwargs):
+    """The attention of every scheme (:data:`SCHEME_RULES`): ``(module, q [B, Hq, nq, d], k/v [B, Hkv, nk, d],
+    mask, ...) -> ([B, nq, Hq, dv], None)``, attending with the layer's positional object
+    (:func:`~poslsh.integrations.hf_state.layer_positional`: partitions or a window) through
+    :func:`poslsh.attend`; context-parallel shards, :class:`PoslshCache` steps, packed documents, padding
+    and a full cache take the near-linear ops, any other mask the exact dense path."""
+    rules = SCHEME_RULES[scheme]
     step = kwargs.pop(STEP_KWARG, None)
     context = kwargs.pop(CONTEXT_KWARG, None)
     layer = kwargs.pop(CACHE_KWARG, None)
+    if not rules.near_linear and context is not None:
+        raise ValueError(f"poslsh_context: exact ALiBi cannot run context-parallel ({scheme}: every query sees every "
+                         "earlier key); use the poslsh, fixed_blocks or alibi-window implementation")
+    if not rules.near_linear and layer is not None:
+        raise ValueError("cache: a PoslshCache serves poslsh, fixed_blocks and alibi-window attention but this model "
+                         "runs exact ALiBi (every key stays needed); use transformers' DynamicCache")
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     B, H, nq, d = query.shape
     nk = key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
     causal = _causal(module, kwargs)
-    if context is None and (layer is not None or nq != nk) and module.training:
+    if rules.resampled and context is None and (layer is not None or nq != nk) and module.training:
         raise ValueError("model is in training mode, which draws new partitions every forward; decoding with a "
                          "KV cache needs the fixed evaluation partitions: call model.eval()")
-    parts = layer_partitions(module, H, scheme, step=step, device=query.device)
+    positional = layer_positional(module, scheme, H, step=step, device=query.device)
     backend = positional_config(module.config).backend
-    allowed = allowed_mask(attention_mask)
-    if context is not None:   # context parallelism: query/key/value are this rank's shard of each sequence
-        with _no_autocast(query.device):
-            out = context.attention(query, key, value, parts, causal=causal, scale=scaling, backend=backend,
-                                    mask=allowed, window=kwargs.get("sliding_window"))
-        return out.transpose(1, 2).contiguous(), None
-    if layer is not None:   # a PoslshCache step: the keys are the layer's bounded window
-        if kwargs.get("sliding_window") is not None or not causal:
-            raise ValueError("cache: a PoslshCache needs causal attention without a sliding window")
-        with _no_autocast(query.device):
-            out = hf_cache.attend(layer, module, scheme, query, key, value, allowed, parts, scaling, backend,
-                                  kwargs.get("position_ids"))
-        return out.transpose(1, 2).contiguous(), None
-    window = _sliding(kwargs, nk)
-
-    def attend(q, k, v, **positions):
-        return poslsh_attention(q, k, v, parts, causal=causal, scale=scaling, backend=backend, **positions)
-
-    with _no_autocast(query.device):
-        out = _fast(attend, query, key, value, allowed, causal, window, kwargs)
-        if out is None and window is None and causal and nq != nk and (
-                pads := hf_cache.left_pads(allowed, B, nq, nk)) is not None:
-            # decoding against a full cache (keys 0..nk-1, queries the last nq): spans, per row
-            out = hf_cache.span_rows_attention(query, key, value, parts, nk - nq, 0, pads, scaling, backend)
-        if out is None:   # a mask the op cannot express: exact, dense O(nq * nk)
-            _warn_dense_once(module, scheme, dense_cause(nq, nk, causal, window))
-            count = parts.dense_count(nk)[:, nk - nq:, :].to(torch.float64)
-            out = _dense(query, key, value, allowed, torch.log(count), scaling, causal, window)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def poslsh_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function for ``attn_implementation="poslsh"``:
-    ``(module, q [B,Hq,n,d], k/v [B,Hkv,n,d], mask, ...) -> ([B, n, Hq, d], None)``."""
-    return _block_attention_forward("poslsh", module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-
-
-def fixed_blocks_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function for ``attn_implementation="fixed_blocks"``."""
-    return _block_attention_forward("fixed_blocks", module, query, key, value, attention_mask, scaling, dropout,
-                                    **kwargs)
-
-
-def _exact_alibi_prologue(scheme: str, module, query, key, value, dropout, kwargs):
-    """What the two exact-ALiBi functions share: refuse what they cannot serve, one dtype."""
-    kwargs.pop(STEP_KWARG, None)
-    if kwargs.pop(CONTEXT_KWARG, None) is not None:
-        why = ("every query sees every earlier key" if scheme == "alibi" else
-               "the sharded op serves positional LSH only for now")
-        raise ValueError(f"poslsh_context: exact ALiBi cannot run context-parallel ({scheme}: {why}); use the poslsh "
-                         "or fixed_blocks implementation")
-    if scheme == "alibi" and kwargs.pop(CACHE_KWARG, None) is not None:
-        raise ValueError("cache: a PoslshCache serves poslsh, fixed_blocks and alibi-window attention but this model "
-                         "runs exact ALiBi (every key stays needed); use transformers' DynamicCache")
-    layer = kwargs.pop(CACHE_KWARG, None)
-    _check_kwargs(module, dropout, kwargs)
-    return (*_same_dtype(query, key, value), layer)
-
-
-def alibi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function for ``attn_implementation="alibi"``: exact ALiBi with
-    slopes for the model's number of query heads (dense ``O(n^2)``, like stock ``sdpa``; packed
-    documents by :func:`poslsh.reference.alibi_attention` with their ``document_ids``)."""
-    query, key, value, _ = _exact_alibi_prologue("alibi", module, query, key, value, dropout, kwargs)
-    B, H, nq, d = query.shape
-    nk = key.shape[2]
-    scaling = d ** -0.5 if scaling is None else scaling
-    causal = _causal(module, kwargs)
     allowed, window = allowed_mask(attention_mask), _sliding(kwargs, nk)
+
+    def attend_op(q, k, v, **positions):
+        return attend(q, k, v, positional, causal=causal, scale=scaling, backend=backend, **positions)
+
     with _no_autocast(query.device):
-        docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk)
-        if docs is not None:    # exact ALiBi inside every document, dense like the rest of this scheme
-            out = alibi_attention(query, key, value, alibi_slopes(H), causal=causal, scale=scaling, **docs)
+        if context is not None:   # context parallelism: query/key/value are this rank's shard of each sequence
+            out = context.attention(query, key, value, positional, causal=causal, scale=scaling, backend=backend,
+                                    mask=allowed, window=kwargs.get("sliding_window"))
+        elif layer is not None:   # a PoslshCache step: the keys are the layer's bounded window
+            if kwargs.get("sliding_window") is not None or not causal:
+                raise ValueError("cache: a PoslshCache needs causal attention without a sliding window")
+            out = hf_cache.attend(layer, module, scheme, query, key, value, allowed, positional, scaling, backend,
+                                  kwargs.get("position_ids"))
+        elif not rules.near_linear:   # exact ALiBi, dense like stock sdpa (packed documents: the dense oracle)
+            docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk)
+            if docs is not None:
+                out = attend(query, key, value, positional, causal=causal, scale=scaling, backend="reference", **docs)
+            else:
+                bias = layer_alibi_bias(module, H, nq, nk, query.device, _bias_dtype(query))
+                out = _dense(query, key, value, allowed, bias, scaling, causal, window)
         else:
-            bias = layer_alibi_bias(module, H, nq, nk, query.device, _bias_dtype(query))
-            out = _dense(query, key, value, allowed, bias, scaling, causal, window)
+            out = _fast(attend_op, query, key, value, allowed, causal, window, kwargs)
+            if out is None and window is None and causal and nq != nk and (
+                    pads := hf_cache.left_pads(allowed, B, nq, nk)) is not None:
+                # decoding against a full cache (keys 0..nk-1, queries the last nq): spans, per group of rows
+                out = hf_cache.span_rows_attention(query, key, value, positional, nk - nq, 0, pads, scaling, backend)
+            if out is None:   # a mask the op cannot express: exact, dense O(nq * nk)
+                _warn_dense_once(module, scheme, dense_cause(nq, nk, causal, window))
+                bias = positional.dense_bias(torch.arange(nk - nq, nk, device=query.device),
+                                             torch.arange(nk, device=query.device))
+                out = _dense(query, key, value, allowed, bias, scaling, causal, window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -255,51 +236,30 @@ def _bias_dtype(query: Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
+def poslsh_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function for ``attn_implementation="poslsh"`` (:func:`attention_forward`)."""
+    return attention_forward("poslsh", module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def fixed_blocks_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function for ``attn_implementation="fixed_blocks"`` (:func:`attention_forward`)."""
+    return attention_forward("fixed_blocks", module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def alibi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function for ``attn_implementation="alibi"``: exact ALiBi with slopes for the
+    model's number of query heads, dense ``O(n^2)`` like stock ``sdpa`` (:func:`attention_forward`)."""
+    return attention_forward("alibi", module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
 def alibi_window_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function for ``attn_implementation="alibi-window"``: exact ALiBi cut
-    at the per-head window of ``config.poslsh`` (:meth:`PositionalConfig.alibi_window`)."""
-    query, key, value, layer = _exact_alibi_prologue("alibi-window", module, query, key, value, dropout, kwargs)
-    B, H, nq, d = query.shape
-    nk = key.shape[2]
-    scaling = d ** -0.5 if scaling is None else scaling
-    causal = _causal(module, kwargs)
-    allowed, window = allowed_mask(attention_mask), _sliding(kwargs, nk)
-    win = layer_window(module, H)
-    backend = positional_config(module.config).backend
-    if layer is not None:   # a PoslshCache step: the layer keeps exactly max_h w_h keys
-        if window is not None or not causal:
-            raise ValueError("cache: a PoslshCache needs causal attention without a sliding window")
-        with _no_autocast(query.device):
-            out = hf_cache.attend(layer, module, "alibi-window", query, key, value, allowed, win, scaling, backend,
-                                  kwargs.get("position_ids"))
-        return out.transpose(1, 2).contiguous(), None
-
-    def attend(q, k, v, **positions):
-        return windowed_alibi_attention(q, k, v, win.slopes, window=win.window, causal=causal, scale=scaling,
-                                        backend=backend, **positions)
-
-    with _no_autocast(query.device):
-        out = _fast(attend, query, key, value, allowed, causal, window, kwargs)
-        if out is None and window is None and causal and nq != nk and (
-                pads := hf_cache.left_pads(allowed, B, nq, nk)) is not None:
-            # decoding against a full DynamicCache: the queries' and keys' positions, per group of rows
-            out = hf_cache.span_rows_attention(query, key, value, win, nk - nq, 0, pads, scaling, backend)
-        if out is None:
-            _warn_dense_once(module, "alibi-window", dense_cause(nq, nk, causal, window))
-            qpos = torch.arange(nk - nq, nk, device=query.device)[:, None]
-            kpos = torch.arange(nk, device=query.device)[None, :]
-            near = (qpos - kpos).abs()[None] <= win.window.to(query.device)[:, None, None]      # [H, nq, nk]
-            base = window_mask(allowed, nq, nk, causal, window, query.device)
-            if base is None:
-                base = (kpos <= qpos)[None, None] if causal else torch.ones(1, 1, nq, nk, dtype=torch.bool,
-                                                                              device=query.device)
-            bias = layer_alibi_bias(module, H, nq, nk, query.device, _bias_dtype(query))
-            out = _dense(query, key, value, base & near[None], bias, scaling, causal, None)
-    return out.transpose(1, 2).contiguous(), None
+    """``AttentionInterface`` function for ``attn_implementation="alibi-window"``: exact ALiBi cut at the per-head
+    window of ``config.poslsh`` (:meth:`PositionalConfig.alibi_window`; :func:`attention_forward`)."""
+    return attention_forward("alibi-window", module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 _FUNCTIONS = {"poslsh": poslsh_attention_forward, "fixed_blocks": fixed_blocks_attention_forward,
-             "alibi": alibi_attention_forward, "alibi-window": alibi_window_attention_forward}
+              "alibi": alibi_attention_forward, "alibi-window": alibi_window_attention_forward}
 
 
 # ------------------------------------------------------------ registration, conversion, loading

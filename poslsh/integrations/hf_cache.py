@@ -10,7 +10,7 @@ the widest block minus one, bounded by eq. (4) with high probability; an ALiBi w
 
 Schemes (:data:`CACHE_SCHEMES`): ``"poslsh"`` and ``"fixed_blocks"`` (the attention passes the
 layer's :class:`~poslsh.partitions.Partitions`) and ``"alibi-window"`` (it passes the layer's
-:class:`~poslsh.alibi.AlibiWindow`). The attention function of a scheme calls :func:`attend`
+:class:`~poslsh.AlibiWindow`). The attention function of a scheme calls :func:`attend`
 with the layer it received and its positional object; nothing else is scheme-specific.
 
 How the attention finds its layer: Llama / Qwen3 / Mistral call
@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..alibi import AlibiWindow
-from ..decoding import Positional, cache_bound, check_positional, document_rows, first_needed
+from ..decoding import SEQUENCE_KINDS, document_rows
+from ..positional import Positional, check_positional
 from .hf_convert import positional_config
 from .hf_rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
 
@@ -99,16 +99,6 @@ def _frozen(value):
     if isinstance(value, dict):
         return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
     return tuple(_frozen(x) for x in value) if isinstance(value, (list, tuple)) else value
-
-
-def _same_positional(a: Positional, b: Positional) -> bool:
-    if a is b:
-        return True
-    if type(a) is not type(b) or a.num_heads != b.num_heads:
-        return False
-    pairs = ((a.slopes, b.slopes), (a.window, b.window)) if isinstance(a, AlibiWindow) else \
-        ((a.widths, b.widths), (a.offsets, b.offsets))
-    return all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in pairs)
 
 
 class PoslshCacheLayer(DynamicLayer):
@@ -253,7 +243,7 @@ class PoslshCacheLayer(DynamicLayer):
         """Drop every key no query at or after the next position can see (all rows)."""
         started = sorted({p for p in self.pads if p is not None})
         if started:
-            need = first_needed(self.positional, [self.total - p for p in started])
+            need = self.positional.first_needed([self.total - p for p in started])
             keep_from = min(p + n for p, n in zip(started, need.tolist()))
         else:   # no real token yet: nothing a later query can see
             keep_from = self.total
@@ -275,8 +265,8 @@ def attend(layer: PoslshCacheLayer, module, scheme: str, query: Tensor, key: Ten
     ``positional``: the layer's :class:`Partitions` (``poslsh``, ``fixed_blocks``) or
     :class:`AlibiWindow` (``alibi-window``), the same at every step (checked)."""
     layer.check(module, scheme)
-    check_positional(positional)
-    if layer.positional is not None and not _same_positional(layer.positional, positional):
+    check_positional(positional, op=SEQUENCE_KINDS)
+    if layer.positional is not None and not layer.positional.same_as(positional):
         raise ValueError(f"cache: layer {layer.index} evicted its keys for other partitions / another window than "
                          f"its attention passes now: {NEW_CACHE}")
     B, nq = query.shape[0], query.shape[2]
@@ -320,8 +310,8 @@ class PoslshCache(Cache):
         attended in one step, ``bound`` (``cache_bound`` of its partitions / window; None before
         the first step) and ``bound_per_head`` (what each query head alone needs)."""
         return [{"layer": l.index, "tokens": l.total, "kept": l.size, "peak": l.peak,
-                 "bound": None if l.positional is None else cache_bound(l.positional),
-                 "bound_per_head": None if l.positional is None else cache_bound(l.positional, per_head=True)}
+                 "bound": None if l.positional is None else l.positional.cache_bound(),
+                 "bound_per_head": None if l.positional is None else l.positional.cache_bound(per_head=True)}
                 for l in self.layers]
 
     def nbytes(self) -> int:
@@ -357,7 +347,7 @@ def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, c
                          f"objects for a model of {len(cache.layers)} layers")
     for layer, (k, v), positional in zip(cache.layers, pairs, positionals):
         rows = document_rows(k, v, cu_seqlens=cu_seqlens, document_ids=document_ids)
-        keys, values, total, start, pads = left_padded_rows(rows, check_positional(positional))
+        keys, values, total, start, pads = left_padded_rows(rows, check_positional(positional, op=SEQUENCE_KINDS))
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values, layer.total, layer.start = keys, values, total, start
         layer.pads, layer.positional = pads, positional

@@ -32,8 +32,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..alibi import AlibiWindow, alibi_sigmas, alibi_slopes, make_window
-from ..cost import cost_matched_window
+from ..alibi import alibi_sigmas, alibi_slopes
+from ..window.kind import AlibiWindow, make_window, windows_in_sigmas
+from ..window.cost import cost_matched_window
 from ..partitions import check_sampler
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "NO_ROTATION", "PositionalConfig", "positional_config",
@@ -60,7 +61,7 @@ class PositionalConfig:
     backend: str = "auto"        # backend of poslsh_attention / windowed_alibi_attention
     rope_removed: bool = False   # set by apply_positional_scheme on a model
     # alibi-window, exactly one of: w_h = ceil(window_sigmas * sigma_h), or the window whose keys per
-    # query equal positional LSH's at window_cost_samples i.i.d. samples (poslsh.cost.cost_matched_window)
+    # query equal positional LSH's at window_cost_samples i.i.d. samples (poslsh.window.cost_matched_window)
     window_sigmas: Optional[float] = None
     window_cost_samples: Optional[int] = None
 
@@ -94,8 +95,7 @@ class PositionalConfig:
             raise ValueError(f"scheme {self.scheme!r} has no ALiBi window")
         sigma = alibi_sigmas(num_heads)
         if self.window_sigmas is not None:
-            # ceil: the dropped keys weigh at most e^{-window_sigmas} each, relative to the query itself
-            window = torch.ceil(sigma * float(self.window_sigmas) - 1e-9).to(torch.int64)
+            window = windows_in_sigmas(self.window_sigmas, sigma)
         else:
             window = cost_matched_window(sigma, self.window_cost_samples)
         return make_window(alibi_slopes(num_heads), window)

@@ -5,7 +5,7 @@ own positions start at its first real token ``pads[b]`` (None: no real token yet
 prefill without a cache (left padding). These helpers read ``pads`` from masks, attend every
 row at its own positions, and lay out the documents of a packed prefill as left-padded rows,
 for positional LSH (:class:`~poslsh.partitions.Partitions`) and ALiBi windows
-(:class:`~poslsh.alibi.AlibiWindow`) alike.
+(:class:`~poslsh.AlibiWindow`) alike.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..decoding import Positional, attend, first_needed, op_of, span_backend
+from ..attention import attend
+from ..decoding import span_backend
+from ..positional import Positional
 
 __all__ = ["new_token_validity", "left_pads", "span_rows_attention", "left_padded_rows"]
 
@@ -55,10 +57,10 @@ def span_rows_attention(query: Tensor, key: Tensor, value: Tensor, positional: P
     """Causal attention of ``query [B, Hq, nq, d]`` at padded positions ``[q_first, q_first + nq)``
     to ``key/value [B, Hkv, nk, d]`` at padded ``[k_first, k_first + nk)``, where row ``b``'s own
     positions start at its first real token ``pads[b]`` (None: no real token yet). One
-    :func:`poslsh.decoding.attend` call (positional LSH or the ALiBi window) per group of rows
+    :func:`poslsh.attend` call (positional LSH or the ALiBi window) per group of rows
     with equal offsets; returns ``[B, Hq, nq, dv]``, zero at padding positions."""
     B, Hq, nq, _ = query.shape
-    backend = span_backend(backend, query, op_of(positional))
+    backend = span_backend(backend, query, positional.op)
     groups: Dict[Tuple[int, int, int, int], List[int]] = {}
     for b, pad in enumerate(pads):
         if pad is None or pad >= q_first + nq:
@@ -99,7 +101,7 @@ def left_padded_rows(documents: Sequence[Tuple[Tensor, Tensor]], positional: Pos
     lengths = [kd.shape[2] for kd, _ in documents]
     N = max(lengths, default=0)
     pads = [N - m if m else None for m in lengths]
-    need = first_needed(positional, lengths).tolist() if lengths else []
+    need = positional.first_needed(lengths).tolist() if lengths else []
     start = min((p + f for p, f in zip(pads, need) if p is not None), default=N)
     k0, v0 = documents[0]
     keys = k0.new_zeros(len(documents), k0.shape[1], N - start, k0.shape[3])

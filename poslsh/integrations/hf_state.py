@@ -21,12 +21,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..alibi import AlibiWindow, alibi_bias, alibi_sigmas, alibi_slopes
+from ..alibi import alibi_bias, alibi_sigmas, alibi_slopes
 from ..modules import PartitionSchedule
 from ..partitions import Partitions
+from ..positional import Positional
+from ..window.kind import NO_WINDOW, AlibiWindow, make_window
 from .hf_convert import positional_config
 
-__all__ = ["LayerState", "layer_state", "layer_partitions", "layer_window", "layer_alibi_bias", "training_step"]
+__all__ = ["LayerState", "layer_state", "layer_positional", "layer_partitions", "layer_window", "layer_alibi_bias",
+           "training_step"]
 
 
 @dataclass
@@ -87,22 +90,34 @@ def layer_partitions(module: nn.Module, num_heads: int, scheme: str = "poslsh", 
     return state.schedule[1].partitions(module.training, training_step(step), device)
 
 
-def layer_window(module: nn.Module, num_heads: int, device=None) -> AlibiWindow:
-    """The :class:`~poslsh.alibi.AlibiWindow` of an alibi-window layer, on ``device``."""
+def layer_window(module: nn.Module, num_heads: int, device=None, *, exact: bool = False) -> AlibiWindow:
+    """The :class:`~poslsh.AlibiWindow` of an alibi-window layer (``exact``: of an alibi layer, exact
+    ALiBi with no window), on ``device``."""
     pc = positional_config(module.config)
     state = layer_state(module)
     device = _device(device)
-    key = (num_heads, pc.window_sigmas, pc.window_cost_samples, device)
+    key = (exact, num_heads, pc.window_sigmas, pc.window_cost_samples, device)
     if state.window is None or state.window[0] != key:
-        state.window = (key, pc.alibi_window(num_heads).to(device))
+        win = make_window(alibi_slopes(num_heads), NO_WINDOW) if exact else pc.alibi_window(num_heads)
+        state.window = (key, win.to(device))
     return state.window[1]
+
+
+def layer_positional(module: nn.Module, scheme: str, num_heads: int, *, step=None, device=None) -> Positional:
+    """The positional object a layer of ``scheme`` attends with now: its partitions (``"poslsh"``,
+    ``"fixed_blocks"``) or its window (``"alibi-window"``; ``"alibi"``: exact, no window)."""
+    if scheme in ("alibi", "alibi-window"):
+        return layer_window(module, num_heads, device, exact=scheme == "alibi")
+    return layer_partitions(module, num_heads, scheme, step=step, device=device)
 
 
 def layer_alibi_bias(module: nn.Module, num_heads: int, nq: int, nk: int, device,
                      dtype: torch.dtype = torch.float32) -> Tensor:
-    """The dense ALiBi bias ``[H, nq, nk]`` of the last ``nq`` of ``nk`` positions."""
+    """The dense ALiBi bias ``[H, nq, nk]`` of the queries at positions ``[nk - nq, nk)`` (the last ``nq`` of
+    ``nk`` keys, a full cache's) against the keys ``[0, nk)``."""
     state = layer_state(module)
     key = (num_heads, nq, nk, str(device), dtype)
     if state.alibi is None or state.alibi[0] != key:
-        state.alibi = (key, alibi_bias(nk, alibi_slopes(num_heads), dtype=dtype, device=device, num_queries=nq))
+        state.alibi = (key, alibi_bias(nk, alibi_slopes(num_heads), dtype=dtype, device=device, num_queries=nq,
+                                       q_start=nk - nq))
     return state.alibi[1]

@@ -1,5 +1,5 @@
 """Backends of the library's ops, registered in :mod:`.registry`:
-``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"grid"``
+``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"nd"``
 op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed), ``"flex"``
 (:mod:`.flex`, PyTorch's FlexAttention, when torch has it) and ``"reference"`` (the dense
 float64-safe oracles of :mod:`poslsh.reference`)."""
@@ -12,24 +12,14 @@ __all__ = ["Backend", "Call", "register_backend", "registered", "resolve", "load
 _loaded = False
 
 
-def _reference_args(call: Call) -> dict:
-    args = dict(causal=call.causal, scale=call.scale, return_lse=True)
-    if call.span is not None:
-        args.update(q_start=call.span.q_start, k_start=call.span.k_start)
-    if call.documents is not None:       # a document's start index names it
-        args.update(document_ids=call.documents.start)
-    return args
-
-
-def _reference_sequence(call: Call):
-    from ..reference import poslsh_attention_reference
-    return poslsh_attention_reference(call.q, call.k, call.v, call.positional, **_reference_args(call))
-
-
-def _reference_window(call: Call):
-    from ..reference import alibi_attention
-    w = call.positional
-    return alibi_attention(call.q, call.k, call.v, w.slopes, window=w.window, **_reference_args(call))
+def _reference(call: Call):
+    """The dense oracle of either 1-D op (:func:`poslsh.reference.reference_attention`)."""
+    from ..reference import reference_attention
+    span = call.span
+    return reference_attention(call.q, call.k, call.v, call.positional, causal=call.causal, scale=call.scale,
+                               q_start=None if span is None else span.q_start,
+                               k_start=None if span is None else span.k_start, documents=call.documents,
+                               return_lse=True)
 
 
 def _reference_grid(call: Call):
@@ -45,10 +35,10 @@ def load_backends() -> None:
         return
     from . import torch_impl  # noqa: F401  (registers "torch")
     everything = ("spans", "documents", "lse")
-    register_backend("reference", _reference_sequence, op="sequence", features=everything)
-    register_backend("reference", _reference_window, op="window", features=everything)
-    from . import torch_grid  # noqa: F401  (registers "torch" for the "grid" op)
-    register_backend("reference", _reference_grid, op="grid", features=("lse",))
+    register_backend("reference", _reference, op="sequence", features=everything)
+    register_backend("reference", _reference, op="window", features=everything)
+    from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
+    register_backend("reference", _reference_grid, op="nd", features=("lse",))
     try:
         from . import triton  # noqa: F401  (registers "triton" when triton is installed)
     except ImportError:

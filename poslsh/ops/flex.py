@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..partitions import Partitions, block_bounds, block_labels
+from ..partitions import block_bounds, block_labels
 from .registry import register_backend
 
 __all__ = ["AVAILABLE", "BLOCK", "CACHE", "why_not", "CPU_NO_BACKWARD"]
@@ -191,10 +191,10 @@ class _PlanCache:
 CACHE = _PlanCache()
 
 
-def _plan_for(call) -> Plan:
+def _plan_for(call, sequence: bool) -> Plan:
+    """The plan of a call of the sequence op (``sequence``) or of the window op."""
     _load()
     n, causal, dev = call.shape.seqlen, call.causal, call.q.device
-    sequence = isinstance(call.positional, Partitions)
     if call.documents is not None:     # new tensors every call: nothing to key a cache on
         return (_sequence_plan if sequence else _window_plan)(call.positional, n, causal, call.documents, dev)
     if sequence:
@@ -277,12 +277,12 @@ class _NoCpuBackward(torch.autograd.Function):
 _EAGER_PLAN = []    # [_plan_for wrapped by torch.compiler.disable], made by the first call (it imports dynamo)
 
 
-def _run(call, fn, extra):
+def _run(call, fn, extra, sequence: bool):
     q, k, v = call.q, call.k, call.v
     if not _EAGER_PLAN:
         _EAGER_PLAN.append(torch.compiler.disable(_plan_for))
     # inside a caller's compile the plan is built eagerly: tensor ids, versions and a cache are no graph ops
-    plan = _EAGER_PLAN[0](call) if torch.compiler.is_compiling() else _plan_for(call)
+    plan = _EAGER_PLAN[0](call, sequence) if torch.compiler.is_compiling() else _plan_for(call, sequence)
     args = (*extra(plan), plan.doc, plan.blocks, call.shape.seqlen, call.causal, call.scale, call.return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if torch.compiler.is_compiling():  # the caller's compile traces flex
@@ -305,7 +305,7 @@ def _run(call, fn, extra):
 
 def _sequence(call):
     """The registry's entry (``backend="flex"``, op ``"sequence"``)."""
-    return _run(call, _poslsh, lambda plan: (plan.data,))
+    return _run(call, _poslsh, lambda plan: (plan.data,), sequence=True)
 
 
 def _window(call):
@@ -313,7 +313,7 @@ def _window(call):
     win = call.positional
     dev = call.q.device
     slopes = win.slopes.to(device=dev, dtype=torch.float32)
-    return _run(call, _alibi_window, lambda plan: (slopes, win.window.to(dev)))
+    return _run(call, _alibi_window, lambda plan: (slopes, win.window.to(dev)), sequence=False)
 
 
 def why_not(q: Tensor) -> Optional[str]:

@@ -5,9 +5,11 @@ Three ops share one registry:
 * ``"sequence"``: positional LSH on a 1-D sequence (:func:`poslsh.poslsh_attention`),
   the positional object a :class:`~poslsh.partitions.Partitions`;
 * ``"window"``: exact ALiBi cut at a per-head window (:func:`poslsh.windowed_alibi_attention`),
-  the positional object an :class:`~poslsh.alibi.AlibiWindow`;
-* ``"grid"``: positional LSH on a 2-D token grid (:func:`poslsh.poslsh_attention_2d`),
-  the positional object a :class:`~poslsh.partitions_nd.PartitionsND`.
+  the positional object an :class:`~poslsh.AlibiWindow`;
+* ``"nd"``: positional LSH over token coordinates, on a 2-D token grid so far
+  (:func:`poslsh.poslsh_attention_nd`), the positional object a :class:`~poslsh.partitions_nd.PartitionsND`.
+
+The op of a call is its positional object's (``positional.op``, :mod:`poslsh.positional`).
 
 A backend registers one function per op, ``fn(call: Call) -> (out, lse or None)``, with the
 optional features it supports (:data:`FEATURES`) and ``why_not(q)``: ``None`` when it can run
@@ -20,13 +22,28 @@ imported (:func:`poslsh.ops.load_backends`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons"]
+from .._compat import warn_once
+from .call import Call
 
-OPS = ("sequence", "window", "grid")
+__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons", "check_op"]
+
+OPS = ("sequence", "window", "nd")
+_RENAMED_OPS = {"grid": "nd"}      # the op's name in 0.2
+
+
+def check_op(op: str) -> str:
+    """``op`` if it is one of :data:`OPS` (its 0.2 name ``"grid"`` works once more, with a warning)."""
+    if op in _RENAMED_OPS:
+        warn_once(f"op={op}", f"op={op!r} is now op={_RENAMED_OPS[op]!r} (one spelling for the N-D family); the old "
+                  "name goes in the next release", stacklevel=4)
+        op = _RENAMED_OPS[op]
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return op
 
 # What a call may need beyond plain self-attention.
 FEATURES = {
@@ -34,42 +51,6 @@ FEATURES = {
     "documents": "packed documents (cu_seqlens / document_ids)",
     "lse": "the log-sum-exp (return_lse=True)",
 }
-
-
-class Call(NamedTuple):
-    """One validated attention call, as the dispatcher hands it to a backend.
-
-    ``positional`` is the op's positional object (see the module docstring), already on
-    ``q.device``; ``shape`` the :class:`~poslsh._validation.AttnShape`; ``span`` a
-    :class:`~poslsh.ops.torch_plan.Span` when queries and keys sit at given positions (None:
-    self-attention); ``documents`` a :class:`~poslsh.documents.Documents` for packed
-    sequences (None: one document per row); ``grid`` the ``(height, width)`` of the ``"grid"``
-    op. A backend returns ``(out [B, Hq, n, dv] in q.dtype, lse [B, Hq, n] or None)``; ``lse``
-    (float32, float64 for float64 input, natural log) is required when ``return_lse``.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    positional: object
-    shape: object
-    causal: bool
-    scale: float
-    span: Optional[object] = None
-    documents: Optional[object] = None
-    return_lse: bool = False
-    grid: Optional[Tuple[int, int]] = None
-
-    def needs(self) -> FrozenSet[str]:
-        """The features this call needs (keys of :data:`FEATURES`)."""
-        out = set()
-        if self.span is not None:
-            out.add("spans")
-        if self.documents is not None:
-            out.add("documents")
-        if self.return_lse:
-            out.add("lse")
-        return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -101,8 +82,7 @@ def register_backend(name: str, fn: Callable[[Call], Tuple[Tensor, Optional[Tens
 
     ``why_not``, ``preferred`` and ``priority`` describe the backend as a whole; given again for
     another op they replace the earlier ones. ``preferred`` defaults to "never auto-picked"."""
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    op = check_op(op)
     unknown = set(features) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")

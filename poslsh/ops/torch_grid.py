@@ -1,4 +1,4 @@
-"""The ``"torch"`` backend of the ``"grid"`` op: near-linear positional-LSH attention on a 2-D
+"""The ``"torch"`` backend of the ``"nd"`` op (on a 2-D grid): near-linear positional-LSH attention on a 2-D
 token grid (images), in plain PyTorch.
 
 Tokens form a ``Gr x Gc`` grid in raster order. In sample ``t`` the block of the query at
@@ -323,10 +323,10 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tenso
 
 
 def _grid(call):
-    """The registry's entry (``backend="torch"``, op ``"grid"``): ``call.positional`` a
+    """The registry's entry (``backend="torch"``, op ``"nd"``): ``call.positional`` a
     :class:`~poslsh.partitions_nd.PartitionsND` with 2 axes on q's device."""
     parts = call.positional
     return attention_2d(call.q, call.k, call.v, parts.widths, parts.offsets, call.grid, call.causal, call.scale), None
 
 
-register_backend("torch", _grid, op="grid")
+register_backend("torch", _grid, op="nd")

@@ -272,13 +272,13 @@ def attention(kind: str, q: Tensor, k: Tensor, v: Tensor, positional, shape: Att
               return_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Either op on the torch backend: ``(out [B, Hq, n, dv], lse [B, Hq, n] or None)``.
     ``positional``: :class:`~poslsh.partitions.Partitions` (``"sequence"``) or
-    :class:`~poslsh.alibi.AlibiWindow` (``"window"``); ``span`` places the queries and keys
+    :class:`~poslsh.AlibiWindow` (``"window"``); ``span`` places the queries and keys
     (default: self-attention); ``documents``: :class:`~poslsh.documents.Documents` or None."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     span = span or Span.self_attention(shape.seqlen)
     need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-    a, b = (positional.widths, positional.offsets) if kind == "sequence" else (positional.slopes, positional.window)
+    a, b = positional.tensors()       # partition widths, offsets / window slopes, sizes
     doc_start, doc_end = (None, None) if documents is None else (documents.start, documents.end)
     op = torch_attention_fwd if kind == "sequence" else torch_window_fwd
     args = (q, k, v, a, b, doc_start, doc_end, bool(causal), float(scale), need_lse,

@@ -11,7 +11,8 @@ contiguous block of key rows ``[start, end)``, non-decreasing along the rows of 
 * packed documents (:mod:`poslsh.documents`): positions restart in every document, so a query's
   blocks are those of its *local* position, shifted by its document's start and cut at its end.
 
-The tile plan (:mod:`.torch_tiles`) needs nothing else. Plain torch.
+The tile plan (:mod:`.torch_tiles`) needs nothing else. Plain torch. (:class:`Span`, the call
+contract, lives in :mod:`.call`.)
 """
 from __future__ import annotations
 
@@ -21,33 +22,10 @@ import torch
 from torch import Tensor
 
 from ..partitions import Partitions
+from .call import Span
 
 __all__ = ["Span", "RowBounds", "Layout", "row_bounds", "document_row_bounds", "window_row_bounds",
            "window_block_widths"]
-
-
-class Span(NamedTuple):
-    """Absolute positions: query row ``i`` is token ``q_start + i``, key row ``j`` is token
-    ``k_start + j``, in a sequence of ``seq_len`` tokens (blocks end there)."""
-
-    q_start: int
-    k_start: int
-    n_q: int
-    n_k: int
-    seq_len: int
-
-    @staticmethod
-    def self_attention(n: int) -> "Span":
-        return Span(0, 0, n, n, n)
-
-    @property
-    def is_self(self) -> bool:
-        return self.q_start == self.k_start == 0 and self.n_q == self.n_k == self.seq_len
-
-    @property
-    def delta(self) -> int:
-        """Query row ``i`` sits at key row ``i + delta``."""
-        return self.q_start - self.k_start
 
 
 class RowBounds(NamedTuple):
@@ -74,21 +52,10 @@ class Layout(NamedTuple):
         return first, self.end[first]
 
 
-def _check_covered(start: Tensor, end: Tensor, pos: Tensor, span: Span, causal: bool) -> None:
-    """The keys ``[k_start, k_start + n_k)`` must hold every key the queries at ``pos`` can see
-    (absolute ``[start, end)`` of any shape ending in the query axis)."""
-    need_lo = int(start.min())
-    need_hi = int(torch.minimum(end, pos + 1).max() if causal else end.max())
-    if need_lo < span.k_start or need_hi > span.k_start + span.n_k:
-        raise ValueError(
-            f"keys cover positions [{span.k_start}, {span.k_start + span.n_k}) but the queries at "
-            f"[{span.q_start}, {span.q_start + span.n_q}) can see keys in [{need_lo}, {need_hi}): pass keys from "
-            f"k_start <= {need_lo} to at least {need_hi} (a cache must not drop keys a later query needs)")
-
-
 def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
     """Positional LSH: the query rows' blocks as key rows; ``span`` is a :class:`Span` or, for
-    self-attention, the sequence length. Raises if the keys miss a key a query can see."""
+    self-attention, the sequence length (the dispatcher has checked that the keys hold every key the
+    queries can see: :func:`poslsh.ops.call.check_covered`)."""
     if not isinstance(span, Span):
         span = Span.self_attention(int(span))
     H, s = partitions.num_heads, partitions.num_samples
@@ -100,7 +67,6 @@ def row_bounds(partitions: Partitions, span, causal: bool, device) -> RowBounds:
         return RowBounds(start.to(device).contiguous(), end.to(device).contiguous(), causal, 0)
     pos = torch.arange(span.q_start, span.q_start + span.n_q, device=partitions.device)
     start, end = partitions.block_bounds(span.seq_len, pos)                 # [H, s, n_q], absolute
-    _check_covered(start, end, pos, span, causal)
     start, end = (x.transpose(1, 2).to(device).contiguous() - span.k_start for x in (start, end))
     return RowBounds(start, end, causal, span.delta)
 
@@ -136,7 +102,6 @@ def window_row_bounds(window: Tensor, span: Span, causal: bool, device, layout: 
         lo, hi = layout.start.to(device), layout.end.to(device)
     start = torch.maximum(pos - w, lo)                                        # [H, n_q]
     end = torch.minimum(pos + w + 1, hi)
-    _check_covered(start, end, pos, span, causal)
     return RowBounds((start - span.k_start)[..., None].contiguous(), (end - span.k_start)[..., None].contiguous(),
                      causal, span.delta)
 

@@ -120,7 +120,7 @@ def case_positional(case):
     """The case's partitions, or its ALiBi window (``window``: per-head windows, with the
     ALiBi slopes of ``Hq`` heads)."""
     import poslsh
-    from poslsh.alibi import make_window
+    from poslsh.window import make_window
     if case.get("window") is not None:
         return make_window(poslsh.alibi_slopes(case["Hq"]), torch.tensor(case["window"]))
     if case.get("block") is not None:
@@ -184,7 +184,7 @@ class ExplodingScale(float):
 def error_worker(rank, world, n=60):
     """Bad calls, each raising on every rank: the messages, rank by rank."""
     import poslsh
-    from poslsh.alibi import make_window
+    from poslsh.window import make_window
     from poslsh.distributed import context_parallel_attention
 
     g = torch.Generator().manual_seed(0)

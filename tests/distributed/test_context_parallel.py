@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.alibi import make_window
+from poslsh.window import make_window
 from poslsh.distributed import ShardLayout, key_ranges, shard_range
 
 from cp_harness import attention_worker, case_positional, case_tensors, error_worker, run_world
@@ -162,7 +162,7 @@ def test_clear_errors_on_every_rank():
     assert "differentiated" in m["grad"] and "[True, False, False]" in m["grad"]
     assert "different backends" in m["backend"] and "[[0, 1], [2]]" in m["backend"]
     assert m["none_positional"].startswith("context-parallel attention: bad input on rank 1: TypeError: "
-                                           "positional must be a poslsh.Partitions or a poslsh.alibi.AlibiWindow")
+                                           "positional must be a poslsh.Partitions or a poslsh.AlibiWindow")
     assert "bad input on rank 1: RuntimeError: this scale cannot be read" in m["unexpected_error"]
     assert "bad input on rank 1: ValueError: backend: unknown backend 'no-such-backend'" in m["unknown_backend"]
     assert ("bad input on ranks 0, 2: rank 0: ValueError: head_dim of q (8) and k (4) differ; rank 2: TypeError: "

@@ -286,7 +286,7 @@ def test_grouped_sampler_through_config_model_and_reload(tmp_path):
     got = hf.layer_partitions(attn, H)
     assert got.groups is not None and got.num_groups == 2
     # the documented seeding rule: the i.i.d. key, plus (sampler, group_size) for other samplers
-    want = poslsh.sample_partitions(poslsh.alibi_sigmas(H), 6, method="grouped", group_size=3,
+    want = poslsh.sample_partitions(poslsh.alibi_sigmas(H), 6, sampler="grouped", group_size=3,
                                     seed=stable_seed("eval", pc.eval_seed, 1, H, 6, "grouped", 3))
     assert got == want
     x = ids()

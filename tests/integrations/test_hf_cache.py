@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 import poslsh  # noqa: E402
 from poslsh import partitions as partitions_mod  # noqa: E402
 from poslsh import reference  # noqa: E402
-from poslsh.alibi import make_window  # noqa: E402
+from poslsh.window import make_window  # noqa: E402
 from poslsh.decoding import attend  # noqa: E402
 from poslsh.integrations import hf, hf_cache, hf_masks  # noqa: E402
 from poslsh.integrations.hf_convert import attention_modules  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
-from poslsh.cost import cost_matched_window  # noqa: E402
+from poslsh.window import cost_matched_window  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
 
 BACKEND = "auto"        # the window op on the fastest backend that serves it (torch on CPU)
@@ -161,3 +161,27 @@ def test_configuration_errors_are_one_line():
                                      num_attention_heads=H, num_key_value_heads=KV, head_dim=D)
     with pytest.raises(ValueError, match="needs its window"):
         transformers.AutoModelForCausalLM.from_config(stock, attn_implementation="alibi-window")(ids(B=1, n=4))
+
+
+def test_context_parallel_shard_of_one_rank_equals_the_model(tmp_path):
+    """The one attention function hands the layer's window to context-parallel attention as it hands
+    partitions: on a world of one rank (the whole sequence is the shard) the logits and gradients are
+    the model's own. (Shards over several ranks: tests/distributed, the window kind included.)"""
+    import torch.distributed as dist
+    from poslsh.distributed import ContextShard
+
+    model, x = tiny_llama(window_sigmas=0.75), ids(B=1, n=37)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        outs = []
+        for context in (None, ContextShard(None, 0, 37)):
+            model.zero_grad()
+            logits = model(x, poslsh_context=context).logits if context else model(x).logits
+            logits.square().sum().backward()
+            outs.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    finally:
+        dist.destroy_process_group()
+    err = max([float((outs[0][0] - outs[1][0]).abs().max())] +
+              [float((a - b).abs().max()) for a, b in zip(outs[0][1], outs[1][1])])
+    print(f"alibi-window, one-rank context-parallel vs the model: max error {err:.1e}")
+    assert err < 1e-12

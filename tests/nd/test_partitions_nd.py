@@ -52,19 +52,19 @@ def test_ids_labels_and_boxes_agree_with_the_hash(coords):
             same = (key[:, None] == key[None]).all(-1)
             assert torch.equal(same, ids[h, t, :, None] == ids[h, t, None, :])
             assert torch.equal(same, (lab[h, t, :, None] == lab[h, t, None, :]).all(-1))
-    lo, hi = p.box_bounds(coords)
+    lo, hi = p.block_bounds(None, coords)
     inside = ((coords[None, None, None] >= lo[:, :, :, None]) & (coords[None, None, None] < hi[:, :, :, None])).all(-1)
     # a token's box holds exactly the tokens sharing its id (on a full grid: every cell of the box)
     assert torch.equal(inside, ids[..., :, None] == ids[..., None, :])
 
 
-def test_fixed_boxes():
-    p = PartitionsND.fixed_boxes(2, (3, 4))
+def test_fixed_blocks():
+    p = PartitionsND.fixed_blocks(2, (3, 4))
     c = grid_coords(7, 9)
     ids = p.block_ids(c)
     expect = (c[:, 0] // 3) * 10 + c[:, 1] // 4
     assert torch.equal(ids[0, 0][:, None] == ids[0, 0][None], expect[:, None] == expect[None])
-    assert p.max_box_size(c) == 12
+    assert p.max_block_size(c) == 12
     with pytest.raises(ValueError, match="E\\[M\\] = M"):
         p.expected_mean(c)
 
@@ -131,8 +131,8 @@ def test_bad_constructor_arguments():
         PartitionsND.from_tensors(torch.ones(2, 3), torch.zeros(2, 3))
     with pytest.raises(TypeError, match=r"PartitionsND.from_tensors\(widths, offsets, sigma\)"):
         PartitionsND(torch.ones(2, 3, 2), torch.zeros(2, 3, 2))        # the tensor form has its own name
-    with pytest.raises(ValueError, match="box must be a tuple of ints >= 1"):
-        PartitionsND.fixed_boxes(2, (0, 3))
+    with pytest.raises(ValueError, match="block_size must be a tuple of ints >= 1"):
+        PartitionsND.fixed_blocks(2, (0, 3))
     with pytest.raises(ValueError, match="axis must be an int in"):
         sample_partitions_nd([1.0], 2).axis(2)
     with pytest.raises(ValueError, match=r"grid must be \(height, width\)"):
@@ -143,7 +143,7 @@ def test_partitions_nd_is_d_partitions():
     """Built from per-axis Partitions: the views stack them; to, select_heads, equality and the
     checks are theirs, axis by axis."""
     rows = poslsh.sample_partitions(torch.tensor([1.0, 5.0, 9.0]), 4, seed=1)
-    cols = poslsh.sample_partitions(torch.tensor([2.0, 3.0, 4.0]), 4, seed=2, method="grouped",
+    cols = poslsh.sample_partitions(torch.tensor([2.0, 3.0, 4.0]), 4, seed=2, sampler="grouped",
                                     widths=poslsh.GammaWidths(3.0))
     P = PartitionsND([rows, cols])
     assert P.axes == (rows, cols) and P.axis(0) is rows and P.dims == 2 and P.num_heads == 3 and P.num_samples == 4
@@ -187,7 +187,7 @@ def test_correlated_boxes_are_unbiased(method):
     """Stratified / grouped per axis: every box still has E[M] = prod_a k_a (R replicas, 5 SE)."""
     R, s = 1500, 8
     coords = grid_coords(4, 5)
-    P = sample_partitions_nd(torch.tensor([[1.5, 4.0]]).expand(R, 2), s, seed=4, method=method)
+    P = sample_partitions_nd(torch.tensor([[1.5, 4.0]]).expand(R, 2), s, seed=4, sampler=method)
     assert all(a.groups is not None for a in P.axes)
     M = P.dense_mean(coords)
     L = P.expected_mean(coords[:, :])[0]
@@ -200,15 +200,15 @@ def test_correlated_boxes_are_unbiased(method):
 
 def test_one_axis_reproduces_the_1d_sampler_for_every_method_and_width():
     sig = poslsh.alibi_sigmas(4)
-    for kwargs in [dict(method="grouped"), dict(method="stratified", widths=poslsh.FixedWidth(2.0)),
+    for kwargs in [dict(sampler="grouped"), dict(sampler="stratified", widths=poslsh.FixedWidth(2.0)),
                    dict(widths=poslsh.GammaWidths(3.0))]:
         pn = sample_partitions_nd(sig, 6, dims=1, seed=3, **kwargs)
         assert pn.axes[0] == poslsh.sample_partitions(sig, 6, seed=3, **kwargs)
 
 
 def test_to_meta_and_back_shapes():
-    P = sample_partitions_nd(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 5, seed=0, method="grouped")
+    P = sample_partitions_nd(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 5, seed=0, sampler="grouped")
     m = P.to("meta")
     assert m.device.type == "meta" and m.widths.shape == (2, 5, 2) and all(a.device.type == "meta" for a in m.axes)
     assert m.axes[0].groups.device.type == "meta" and "meta" in repr(m)
-    assert PartitionsND.fixed_boxes(2, (3, 3)).to("meta").to("meta").dims == 2
+    assert PartitionsND.fixed_blocks(2, (3, 3)).to("meta").to("meta").dims == 2

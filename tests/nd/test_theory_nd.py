@@ -27,7 +27,7 @@ def test_eq3_max_norm_bound_at_delta_1e_3(dist):
     coords, delta, s, trials = grid_coords(6, 6), 1e-3, 200, 60
     sigma = torch.tensor([[0.8, 0.8], [2.0, 5.0], [12.0, 12.0]])
     n = coords.shape[0]
-    L = poslsh.expected_mask(coords, sigma, dist)
+    L = poslsh.partitions_nd.expected_mask(coords, sigma, dist)
     eps = theory.max_norm_deviation_bound(n, s, delta)
     worst, fails, wrong = 0.0, 0, 0
     for t in range(trials):
@@ -36,7 +36,7 @@ def test_eq3_max_norm_bound_at_delta_1e_3(dist):
         worst = max(worst, err.max().item() / eps)
         fails += int((err >= eps).sum())
         if t < 10:   # the same draws judged against the other Gamma kernel: must violate the bound
-            other = poslsh.expected_mask(coords, sigma, GammaWidths(5.0 - dist.shape))
+            other = poslsh.partitions_nd.expected_mask(coords, sigma, GammaWidths(5.0 - dist.shape))
             wrong += int((theory.dense_mask_errors(other, P.dense_mean(coords)).max >= eps).sum())
     print(f"{dist.name}: eps(delta=1e-3, n={n}, s={s}) = {eps:.4f}; worst ratio {worst:.3f}; violations {fails}/"
           f"{3 * trials}; wrong-kernel violations {wrong}/30")
@@ -85,7 +85,7 @@ def test_theorem_2_2_with_delta_p_prime(causal):
     v_max = v.abs().max().item()
     for t in range(8):
         P = sample_partitions_nd(sigma, s, seed=t)
-        approx = poslsh.poslsh_attention_2d(q, k, v, P, grid, causal=causal)
+        approx = poslsh.poslsh_attention_nd(q, k, v, P, grid=grid, causal=causal)
         err = (approx - exact).abs().amax((0, 2, 3))
         eps = theory.dense_mask_errors(L, P.dense_mean(coords)).max
         for h in range(2):

@@ -61,7 +61,7 @@ def _parts(kind, H, seed):
         return _odd_partitions()
     stretch = 4.0 if kind == "alibi" else 2.0
     return poslsh.sample_partitions(poslsh.alibi_sigmas(H) * stretch, 6, seed=seed,
-                                    method="grouped" if kind == "grouped" else "iid")
+                                    sampler="grouped" if kind == "grouped" else "iid")
 
 
 @pytest.mark.parametrize("n,B,Hq,Hkv,causal,kind,docs", CASES)
@@ -146,7 +146,7 @@ def test_block_lists_cover_exactly(monkeypatch, n, causal, docs):
     window = torch.tensor([0, 3, 20, 10 ** 6])
     dist = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs()
     plans = [("sequence", flex._sequence_plan(parts, n, causal, documents, "cpu"), allowed, (count > 0) & allowed),
-             ("window", flex._window_plan(poslsh.alibi.make_window(poslsh.alibi_slopes(Hq), window), n, causal,
+             ("window", flex._window_plan(poslsh.window.make_window(poslsh.alibi_slopes(Hq), window), n, causal,
                                           documents, "cpu"),
               allowed & (dist <= window[:, None, None]), allowed & (dist <= window[:, None, None]))]
     T = 16

@@ -158,8 +158,8 @@ def test_two_halves_of_the_keys_merge_into_the_whole(n, causal):
     m = n // 2
     q, k, v = make_qkv(2, 4, 2, n, 8, seed=8, requires_grad=True)
     for name, fast, oracle in _ops(_parts(seed=9)):
-        halves = [oracle(q, k[:, :, :m], v[:, :, :m], causal=causal, return_lse=True),
-                  oracle(q, k[:, :, m:], v[:, :, m:], causal=causal, k_start=m, return_lse=True)]
+        halves = [oracle(q, k[:, :, :m], v[:, :, :m], causal=causal, q_start=0, return_lse=True),
+                  oracle(q, k[:, :, m:], v[:, :, m:], causal=causal, q_start=0, k_start=m, return_lse=True)]
         out, lse = poslsh.merge_attention([h[0] for h in halves], [h[1] for h in halves])
         whole_out, whole_lse = fast(q, k, v, causal=causal, return_lse=True)
         if causal:

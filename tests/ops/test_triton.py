@@ -604,7 +604,7 @@ def _grouped_partitions(s=10, seed=3):
     """Grouped partitions whose heads range from widths <= 1 (one position per block) to
     blocks longer than the sequence: groups of 4, 3, 3 shifted grids per head."""
     sig = torch.tensor([0.3, 1.5, 6.0, 40.0, 400.0, 1e6], dtype=torch.float64)
-    return poslsh.sample_partitions(sig, s, seed=seed, method="grouped")
+    return poslsh.sample_partitions(sig, s, seed=seed, sampler="grouped")
 
 
 @pytest.mark.parametrize("n", [1, 2, 97, 300])

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 import poslsh  # noqa: E402
-from poslsh.alibi import make_window  # noqa: E402
+from poslsh.window import make_window  # noqa: E402
 from poslsh.documents import make_documents  # noqa: E402
 from poslsh.ops import registry  # noqa: E402
 from poslsh.ops.triton import _launch, _plan  # noqa: E402
@@ -101,7 +101,7 @@ def test_documents_grouped_partitions(interpret, r_max):
     indices are shifted past the previous document's by at least the group size."""
     interpret.setitem(_launch.ONEHOT_MAX, "r_max", r_max)
     sig = torch.tensor([0.3, 1.5, 6.0, 40.0, 400.0, 1e6], dtype=torch.float64)
-    parts = poslsh.sample_partitions(sig, 10, seed=3, method="grouped")
+    parts = poslsh.sample_partitions(sig, 10, seed=3, sampler="grouped")
     q, k, v = qkv(2, 6, 2, IDS.shape[1], seed=4)
     check_op(lambda q, k, v, be: poslsh.poslsh_attention(q, k, v, parts, causal=True, backend=be, return_lse=True,
                                                          document_ids=IDS),

@@ -86,7 +86,7 @@ def sampler_draws(sigmas: Sequence[float], samples: Sequence[int], sampler: str,
     method, k = parse_sampler(sampler)
     if method == "iid":
         return [(samples, sample_partitions(sig, samples[-1], seed=stable_seed(*seed_parts)))]
-    return [([s], sample_partitions(sig, s, seed=stable_seed(*seed_parts, sampler, s), method=method,
+    return [([s], sample_partitions(sig, s, seed=stable_seed(*seed_parts, sampler, s), sampler=method,
                                     group_size=k)) for s in samples]
 
 

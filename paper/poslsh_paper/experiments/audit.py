@@ -118,7 +118,7 @@ def _matrix_checks(rows: List[dict], cfg: AuditConfig, heads: Sequence[int], tag
             e3 = theory.grouped_max_norm_deviation_bound(n, units(rs[0]), delta)
             v3 = sum(r["max"] > e3 for r in rs)
             q3 = float(np.quantile([r["max"] for r in rs], 1 - delta))
-            b4 = theory.block_size_bound(sigma, s, delta)
+            b4 = theory.block_size_bound(num_samples=s, sigma=sigma, delta=delta)
             v4 = sum(r["b_max"] > b4 for r in rs)
             q4 = float(np.quantile([r["b_max"] for r in rs], 1 - delta))
             worst3, worst4 = max(worst3, max(r["max"] for r in rs) / e3), max(worst4, max(r["b_max"] for r in rs) / b4)

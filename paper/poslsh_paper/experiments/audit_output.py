@@ -108,14 +108,15 @@ def _output_checks(rows: List[dict], n: int, delta: float, label: str, source: s
         c3_viol_draws = set()
         applicable = 0
         for r in rs:
-            c, _ = theory.smallest_constant(r["t_err"], r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, units(r),
-                                            delta)
+            c, _ = theory.smallest_constant(r["t_err"], r["beta_star"], r["p_2inf"], r["v_max"], n=n,
+                                            num_samples=units(r), sigma=sigma, delta=delta)
             per_draw[r["draw"]] = max(per_draw.get(r["draw"], 0.0), c)
             # the proof's deterministic step with the measured max-norm error (eqs. 8, 10, 12-14)
             dm = r["max"]
             if dm < r["beta_star"] and r["t_err"] > 2 * dm / (r["beta_star"] - dm) * r["v_max"] * (1 + 1e-9) + 1e-12:
                 det_viol += 1
-            b = theory.output_error_bound(r["beta_star"], r["p_2inf"], r["v_max"], sigma, n, units(r), delta, c3)
+            b = theory.output_error_bound(r["beta_star"], r["p_2inf"], r["v_max"], n=n, num_samples=units(r),
+                                          sigma=sigma, delta=delta, C=c3)
             if math.isfinite(b):
                 applicable += 1
                 if r["t_err"] > b:

@@ -83,7 +83,8 @@ def theory_rows(n: int, sigmas: List[float], samples: List[int], delta: float, C
                 "spectral_expectation": theory.spectral_expectation_bound(n, s, sigma, C),
                 "spectral_deviation": theory.spectral_deviation_bound(n, s, sigma, delta, C),
                 "max_deviation": theory.max_norm_deviation_bound(n, s, delta),
-                "block_bound": theory.block_size_bound(sigma, s, delta) if delta < 1 / math.e else float("nan"),
+                "block_bound": (theory.block_size_bound(num_samples=s, sigma=sigma, delta=delta)
+                                if delta < 1 / math.e else float("nan")),
             })
     return rows
 

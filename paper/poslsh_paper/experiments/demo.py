@@ -207,7 +207,7 @@ def run(cfg: DemoConfig, *, progress: Optional[Callable[[str], None]] = None) ->
         method, size = parse_sampler(sampler)
         times = result.time_poslsh_ms.setdefault(sampler, {})
         for s in cfg.samples:
-            parts = sample_partitions(sigma, s, seed=cfg.seed + s, method=method, group_size=size)
+            parts = sample_partitions(sigma, s, seed=cfg.seed + s, sampler=method, group_size=size)
             with torch.no_grad():
                 approx = poslsh_attention(q, k, v, parts, causal=True, backend="torch")
                 times[s] = watch.median_ms(lambda: poslsh_attention(q, k, v, parts, causal=True, backend="torch"))

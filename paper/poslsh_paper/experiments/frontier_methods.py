@@ -174,12 +174,12 @@ def attention_passes(q: Tensor, k: Tensor, v: Tensor, sigma: float, methods: Seq
 def certified_reach(q: Tensor, k: Tensor, v: Tensor, sigma: float, *, causal: bool, scale: float,
                     tol: float = EXACT_TOL) -> int:
     """The window beyond which exact ALiBi's keys change no output by more than ``tol`` times the
-    value range (:func:`poslsh.theory.alibi_window` with the Cauchy-Schwarz logit range
+    value range (:func:`poslsh.theory.smallest_window` with the Cauchy-Schwarz logit range
     ``2 scale max ||q_i|| max ||k_j||``): the oracle computes only those keys."""
     if not math.isfinite(sigma):
         return q.shape[0]
     R = 2.0 * scale * float(q.to(torch.float64).norm(dim=-1).max()) * float(k.to(torch.float64).norm(dim=-1).max())
-    return int(theory.alibi_window(sigma, tol, R, causal=causal, n=q.shape[0]))
+    return int(theory.smallest_window(tol, sigma, R, causal=causal, n=q.shape[0]))
 
 
 def chunked_alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = False,

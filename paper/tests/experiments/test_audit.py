@@ -15,7 +15,7 @@ def test_constants():
     n, delta, s = 4096, 0.05, 1000
     from poslsh import theory
     assert c3_constant(n, delta) == pytest.approx(0.948, abs=1e-3)
-    assert theory.delta_p(1.0, 8.0, n, s, delta, c3_constant(n, delta)) == pytest.approx(
+    assert theory.delta_p(1.0, n=n, num_samples=s, sigma=8.0, delta=delta, C=c3_constant(n, delta)) == pytest.approx(
         theory.max_norm_deviation_bound(n, s, delta))
     assert allowed_violations(100, 0.05) >= 5 and allowed_violations(100, 0.05) <= 15
     assert allowed_violations(10, 0.05) >= 1

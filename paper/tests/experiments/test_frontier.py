@@ -52,7 +52,7 @@ def test_counts_equal_the_positional_lsh_oracle_and_keys_are_the_union(causal, m
     n, s = 211, 9
     q, k, v = _qkv(n, B=1)
     sig = poslsh.alibi_sigmas(4)
-    parts = poslsh.sample_partitions(sig, s, seed=3, method=method)
+    parts = poslsh.sample_partitions(sig, s, seed=3, sampler=method)
     ref = poslsh.poslsh_attention_reference(q, k, v, parts, causal=causal)
     dense = parts.dense_count(n)
     for h in range(4):
@@ -254,5 +254,5 @@ def test_window_bound_on_real_qkv(layer):
         assert bool((dropped <= bound * (1 + 1e-9) + 1e-12).all()), h
         for tol, factor in ((1e-1, 6.0), (1e-2, 4.0), (1e-3, 4.0)):
             w_true = int((dropped <= tol).nonzero()[0])
-            w_bound = int(theory.alibi_window(sigma, tol, float(R[h]), n=n))
+            w_bound = int(theory.smallest_window(tol, sigma, float(R[h]), n=n))
             assert w_true <= w_bound <= factor * w_true + 2, (layer, h, tol, w_true, w_bound)

@@ -5,7 +5,7 @@ For the trained model ``figure_method`` (seed 0) and its attention layer ``figur
 ``figure_samples`` and every image, fresh boxes are drawn and three errors measured per head:
 ``||L** - M~||`` (spectral), ``||L** - M~||_max`` (against the eq. (3) bound at ``delta``, which
 holds for any positional LSH) and ``||T** - T~||_max`` (exact 2-D ALiBi attention against
-:func:`poslsh.poslsh_attention_2d`, float64). Mean +- std over images, log-log.
+:func:`poslsh.poslsh_attention_nd`, float64). Mean +- std over images, log-log.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from poslsh import theory
-from poslsh.attention_nd import poslsh_attention_2d
+from poslsh.attention import poslsh_attention_nd
 from poslsh_paper.data.images import to_float, upsample
 from poslsh_paper.io import atomic_savefig, atomic_write_json
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd
@@ -62,7 +62,7 @@ def convergence(cfg: VisionConfig) -> dict:
         for i in range(N):
             parts = sample_partitions_nd(sigma, s, seed=stable_seed("vision-figure", i, s))
             errs = theory.dense_mask_errors(L, parts.dense_mean(coords))
-            approx = poslsh_attention_2d(q[i:i + 1], k[i:i + 1], v[i:i + 1], parts, grid)
+            approx = poslsh_attention_nd(q[i:i + 1], k[i:i + 1], v[i:i + 1], parts, grid=grid)
             per["spectral"].append(errs.spectral.tolist())
             per["max"].append(errs.max.tolist())
             per["output"].append((approx - exact[i:i + 1]).abs().amax((0, 2, 3)).tolist())

@@ -9,7 +9,7 @@ linear head. The positional method lives in the attention:
   higher resolution), with no further training: the only way learned positions reach 4x the tokens.
 * ``alibi-1d``: ALiBi on the raster index, bias ``-|i - j| / sigma_h`` (exact, dense).
 * ``alibi-2d``: 2-D ALiBi, bias ``-||x_i - x_j||_1 / sigma_h`` (exact, dense).
-* ``poslsh``: 2-D positional LSH with ``s`` random boxes per head (:func:`poslsh.poslsh_attention_2d`):
+* ``poslsh``: 2-D positional LSH with ``s`` random boxes per head (:func:`poslsh.poslsh_attention_nd`):
   fresh boxes per training step and layer, fixed ones per layer in eval mode.
 * ``fixed-boxes``: one fixed partition into ``fixed_box x fixed_box`` patch boxes per head.
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from poslsh.alibi import alibi_bias
-from poslsh.attention_nd import poslsh_attention_2d
+from poslsh.attention import poslsh_attention_nd
 from poslsh.modules import PartitionSchedule
 from poslsh.partitions_nd import PartitionsND, grid_coords
 from poslsh.reference import alibi_bias_nd
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         tagged ``"vision-"``), at ``sigma * sigma_mult`` in evaluation."""
         if self.method.kind == "fixed-boxes":
             side = max(1, round(self.fixed_box * self.sigma_mult))
-            return PartitionsND.fixed_boxes(self.heads, (side, side))
+            return PartitionsND.fixed_blocks(self.heads, (side, side))
         if self.training and step is None:
             raise ValueError("PosLSH training needs the step (model(images, step=t)) to draw its boxes")
         mult = self.sigma_mult if not self.training else 1.0   # training draws at the trained sigma
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             self.recorded = (q.detach(), k.detach(), v.detach())
         kind = self.method.kind
         if kind in ("poslsh", "fixed-boxes"):
-            out = poslsh_attention_2d(q, k, v, self.partitions(step), grid, backend=self.backend)
+            out = poslsh_attention_nd(q, k, v, self.partitions(step), grid=grid, backend=self.backend)
         elif kind in ("alibi-1d", "alibi-2d"):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias(grid, x.device)[None])
         else:
