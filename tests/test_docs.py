@@ -80,3 +80,65 @@ def test_the_checker_fails_on_a_broken_block(tmp_path):
     with pytest.raises(ValueError):
         exec(compile(b2[3], "x", "exec"), {})
     os.environ.get("PATH")
+
+
+# ------------------------------------------------------------------ links and size
+LINKED = [*DOCS, REPO / "paper" / "RESULTS.md", REPO / "CHANGELOG.md"]
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^()\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+CODE = re.compile(r"`[^`\n]*`")
+DOCS_BUDGET = 160_000        # bytes of docs/*.md in all: design documents, not logs
+
+
+def anchors(path: Path) -> set:
+    """GitHub's heading anchors of a Markdown file (lower case, punctuation dropped, spaces to
+    hyphens, ``-1``, ``-2`` ... for repeats)."""
+    seen, out = {}, set()
+    for line in FENCE.sub("", path.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def relative_links(path: Path):
+    """``(target, anchor)`` of every relative link of ``path`` outside code."""
+    text = CODE.sub("", FENCE.sub("", path.read_text()))
+    for target in LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):          # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        yield file, anchor
+
+
+@pytest.mark.parametrize("path", [p for p in LINKED if p.exists()], ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(path):
+    broken = []
+    for file, anchor in relative_links(path):
+        target = (path.parent / file).resolve() if file else path
+        if not target.exists():
+            broken.append(f"{file}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{file}#{anchor}: no such heading in {target.relative_to(REPO)}")
+    assert not broken, f"{path.relative_to(REPO)}: broken links:\n  " + "\n  ".join(broken)
+
+
+def test_the_link_checker_sees_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("# Top: the `x` part\n\n## Top: the `x` part\n")
+    doc = tmp_path / "b.md"
+    doc.write_text("[ok](a.md#top-the-x-part) [again](a.md#top-the-x-part-1) [gone](missing.md) "
+                   "`[code](nowhere.md)` [web](https://example.org) ![img](a.md)\n")
+    assert anchors(tmp_path / "a.md") == {"top-the-x-part", "top-the-x-part-1"}
+    assert list(relative_links(doc)) == [("a.md", "top-the-x-part"), ("a.md", "top-the-x-part-1"), ("missing.md", "")]
+
+
+def test_the_docs_stay_design_documents_in_size():
+    sizes = {p.name: p.stat().st_size for p in sorted((REPO / "docs").glob("*.md"))}
+    total = sum(sizes.values())
+    largest = ", ".join(f"{n} {s // 1000} KB" for n, s in sorted(sizes.items(), key=lambda x: -x[1])[:4])
+    assert total <= DOCS_BUDGET, (f"docs/*.md hold {total / 1000:.1f} KB, over {DOCS_BUDGET // 1000} KB "
+                                  f"(largest: {largest}): measured numbers belong in paper/RESULTS.md, "
+                                  "history in CHANGELOG.md")
