@@ -193,10 +193,14 @@ def head_counts(plan, h, t, R, tr, jr, PATH: tl.constexpr, R_MAX: tl.constexpr, 
         phi = 0.0
         bs = 0
         be = 0
-    else:
-        if PATH == 0:      # (PATH 1 launches only programs with R <= R_MAX)
-            R = tl.where(onehot, R, 0)
+    elif PATH == 1:        # (a PATH 1 launch runs only programs with R <= R_MAX)
         bs, be = block_bounds(plan, h, t.p0, t.plast, R, tr, jr, R_MAX, P)
+        phi = onehot_matrix(t.offs, bs, be, True)
+    else:
+        bs = tl.full([R_MAX], 0, dtype=tl.int32)
+        be = bs
+        if onehot:
+            bs, be = block_bounds(plan, h, t.p0, t.plast, R, tr, jr, R_MAX, P)
         phi = onehot_matrix(t.offs, bs, be, True)
     return Counts(lat, ksz, plan.NC, plan.n, phi, bs, be, onehot)
 
