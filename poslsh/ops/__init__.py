@@ -40,8 +40,13 @@ def load_backends() -> None:
     from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
     register_backend("reference", _reference_grid, op="nd", features=("lse",))
     try:
-        from . import triton  # noqa: F401  (registers "triton" when triton is installed)
-    except ImportError:
-        pass
+        from . import triton  # registers "triton" when triton is installed
+        missing = None if triton.AVAILABLE else ('it needs the triton package and a CUDA GPU '
+                                                 '(pip install "poslsh[triton]")')
+    except ImportError as e:
+        missing = f"importing triton failed ({e})"
+    if missing:
+        from .registry import register_missing
+        register_missing("triton", missing)
     from . import flex  # noqa: F401  (registers "flex" when torch has FlexAttention)
     _loaded = True

@@ -73,6 +73,12 @@ class Backend:
 
 
 _BACKENDS: Dict[str, Backend] = {}
+_MISSING: Dict[str, str] = {}          # backends this install cannot have -> what they need
+
+
+def register_missing(name: str, needs: str) -> None:
+    """Backend ``name`` exists but cannot load here; asking for it says ``needs`` (one line)."""
+    _MISSING[name] = needs
 
 
 def register_backend(name: str, fn: Callable[[Call], Tuple[Tensor, Optional[Tensor]]], *, op: str = "sequence",
@@ -118,6 +124,8 @@ def resolve(name: str, op: str, q: Tensor, needs: Iterable[str] = ()) -> Backend
         wants = "".join(f", {FEATURES[f]}" for f in sorted(needs))
         raise ValueError(f"backend='auto': no backend runs the {op!r} op on {q.device} / {q.dtype} tensors{wants}"
                          + (f"; these can if named: {able}" if able else ""))
+    if name not in _BACKENDS and name in _MISSING:
+        raise ValueError(f"backend={name!r} is not available: {_MISSING[name]}")
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown backend {name!r}; available: {sorted(_BACKENDS)}")
     why = reasons(_BACKENDS[name], op, needs, q)

@@ -57,8 +57,8 @@ def _cfg(bm, bn, warps, stages):
 
 
 # The first entry of each list is the default when autotuning is off: the largest tiles that
-# spill nothing for bf16 d = 128 under triton 3.6 and 3.9 (benchmarks/triton_static.py; the
-# table in docs/triton.md). Which count a tile takes is decided on 128 query rows (fwd, dq) or
+# spill nothing for bf16 d = 128 under triton 3.6 and 3.9 (benchmarks/triton_static.py --compile
+# prints the table). Which count a tile takes is decided on 128 query rows (fwd, dq) or
 # 64 keys (dk/dv): CLASS_TILE below.
 # Forward: BLOCK_M query rows per program, BLOCK_N keys per step.
 FWD_CONFIGS = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
@@ -142,7 +142,7 @@ def prune(kernel: str, configs: List[triton.Config], named_args: dict, **kwargs)
     hd = int(_arg(named_args, kwargs, "HEAD_DIM", 64))
     hdv = int(_arg(named_args, kwargs, "HEAD_DV", 64))
     fp32 = _arg(named_args, kwargs, "DOT_PREC", "tf32") != "tf32"
-    q = named_args.get("Q")
+    q = _arg(named_args, kwargs, "Q", None)      # the autotuner passes arguments given by name in kwargs
     limit = max_shared_memory(getattr(q, "device", None))
     elem = 4 if fp32 else 2
 

@@ -10,8 +10,8 @@ The kernels of :mod:`._kernels` are loaded in one of two modes, decided per call
   tensor while the environment variable is set: fixed small tiles (tests).
 
 Triton picks interpreter or compiler when a function is *decorated*, so the
-kernel module is executed once per mode (with the variable set accordingly) and
-kept; nothing global is left changed.
+kernel package (:mod:`._kernels`) is executed once per mode (with the variable set
+accordingly) under its own name, and kept; nothing global is left changed.
 
 Launches per call on a GPU: forward 2 (one-hot, label-compare; +1 the first time a plan is
 built), backward 5 (``delta``, dk/dv x 2, dq x 2); one per kernel under the interpreter or with
@@ -23,6 +23,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import sys
 import threading
 from collections import Counter
 from types import ModuleType
@@ -73,21 +74,29 @@ def use_interpreter(t: Tensor) -> bool:
 
 
 def kernels(interpret: bool) -> ModuleType:
-    """The kernel module decorated for ``interpret`` mode (loaded once per mode)."""
+    """The kernel package decorated for ``interpret`` mode (loaded once per mode): executed as
+    ``_kernels_interpreted`` / ``_kernels_compiled``, whose relative imports load that mode's copy
+    of every kernel module."""
     mod = _modules.get(interpret)
     if mod is not None:
         return mod
     with _lock:
         mod = _modules.get(interpret)
         if mod is None:
-            path = os.path.join(os.path.dirname(__file__), "_kernels.py")
+            where = os.path.join(os.path.dirname(__file__), "_kernels")
             name = f"{__package__}._kernels_{'interpreted' if interpret else 'compiled'}"
-            spec = importlib.util.spec_from_file_location(name, path)
+            spec = importlib.util.spec_from_file_location(name, os.path.join(where, "__init__.py"),
+                                                          submodule_search_locations=[where])
             mod = importlib.util.module_from_spec(spec)
             old = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            sys.modules[name] = mod
             try:
                 spec.loader.exec_module(mod)
+            except BaseException:
+                for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                    del sys.modules[key]
+                raise
             finally:
                 if old is None:
                     os.environ.pop("TRITON_INTERPRET", None)
@@ -102,9 +111,13 @@ def _device_guard(t: Tensor):
 
 
 def _launch(name: str, kernel, grid, args, meta: dict, device_tensor: Tensor) -> None:
-    """Launch ``kernel[grid](*args, **meta)`` on ``device_tensor``'s device; count it."""
+    """Launch ``kernel[grid](**args, **meta)`` (``args`` by parameter name; a tuple: in order) on
+    ``device_tensor``'s device; count it."""
     with _device_guard(device_tensor):
-        kernel[grid](*args, **meta)
+        if isinstance(args, dict):
+            kernel[grid](**args, **meta)
+        else:
+            kernel[grid](*args, **meta)
     LAUNCHES[name] += 1
 
 
@@ -273,11 +286,19 @@ def _n_key(n: int) -> int:
     return max(0, int(n) - 1).bit_length()
 
 
-def _plan_args(p: _plan.Plan, n: int):
-    """``n, n_gran, gran_stride`` and the per-batch-row strides of ``ids``, ``gran`` and the
-    compare path's labels (0: one plan for every row)."""
+def strides(prefix: str, x: Tensor) -> dict:
+    """The kernels' stride arguments of a ``[B, H, n, d]`` tensor: ``s{prefix}b``, ``...h``, ``...n``."""
+    return {f"s{prefix}b": x.stride(0), f"s{prefix}h": x.stride(1), f"s{prefix}n": x.stride(2)}
+
+
+def _plan_args(p: _plan.Plan, S: int) -> dict:
+    """The plan's kernel arguments: its tensors, ``n_gran``, ``gran_stride``, the per-batch-row
+    strides of ``ids``, ``gran`` and the compare count's labels (0: one plan for every row), and
+    ``S`` / ``NC`` (samples / label rows of the compare count)."""
+    lat, ksz, NC = _count_args(p, S)
     ids_bs, gran_bs, lat_bs = _plan.row_strides(p)
-    return (n, p.gran.shape[-1], p.gran[0].numel(), ids_bs, gran_bs, lat_bs)
+    return dict(IDS=p.ids, GRAN=p.gran, ORDER=p.order, LAT=lat, KSZ=ksz, n_gran=p.gran.shape[-1],
+                gran_stride=p.gran[0].numel(), ids_bs=ids_bs, gran_bs=gran_bs, lat_bs=lat_bs, S=S, NC=NC)
 
 
 def _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end) -> _plan.Plan:
@@ -307,15 +328,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tensor, ca
     if B == 0:
         return out, lse, lse_lo
     p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
-    lat, ksz, NC = _count_args(p, S)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v), interpret, p.lat is not None)
     common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _run("fwd", interpret, blocks, grid,
-         (q, k, v, p.ids, p.gran, p.order, lat, ksz, out, lse, lse_lo,
-          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-          v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, scale * math.log2(math.e), _n_key(n)), common, q)
+         dict(Q=q, K=k, V=v, Out=out, LSE=lse, LSE_LO=lse_lo, **_plan_args(p, S),
+              **strides("q", q), **strides("k", k), **strides("v", v), **strides("o", out),
+              n=n, B=B, Hq=Hq, G=G, qk_scale=scale * math.log2(math.e), N_KEY=_n_key(n)), common, q)
     return out, lse, lse_lo
 
 
@@ -356,26 +375,18 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     if B == 0:
         return dq, dk, dvv
     p = _docs_plan(widths, offsets, n, G, groups, doc_start, doc_end)
-    lat, ksz, NC = _count_args(p, S)
     delta = delta_pre(out, dout, dlse, interpret)
     common = _meta(q, n, d, dv, causal, use_tma(interpret, q, k, v, dout), interpret, p.lat is not None)
     common["ROW_PLANS"] = _plan.row_strides(p) != (0, 0, 0)
     qk_scale = scale * math.log2(math.e)
     blocks = blocks or {}
 
+    args = dict(Q=q, K=k, V=v, DO=dout, LSE=lse, LSE_LO=lse_lo, DELTA=delta, **_plan_args(p, S),
+                **strides("q", q), **strides("k", k), **strides("v", v), **strides("d", dout),
+                n=n, B=B, Hq=Hq, G=G, qk_scale=qk_scale, sm_scale=scale, N_KEY=_n_key(n))
     grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _run("dkdv", interpret, blocks.get("dkdv"), grid,
-         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dk, dvv,
-          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-          v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-          dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-          *_plan_args(p, n), B, Hq, Hkv, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
-
+         dict(args, DK=dk, DVt=dvv, Hkv=Hkv, **strides("dk", dk), **strides("dv", dvv)), common, q)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
-    _run("dq", interpret, blocks.get("dq"), grid,
-         (q, k, v, dout, lse, lse_lo, delta, p.ids, p.gran, p.order, lat, ksz, dq,
-          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-          v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-          dq.stride(0), dq.stride(1), dq.stride(2),
-          *_plan_args(p, n), B, Hq, G, S, NC, qk_scale, scale, _n_key(n)), common, q)
+    _run("dq", interpret, blocks.get("dq"), grid, dict(args, DQ=dq, **strides("dq", dq)), common, q)
     return dq, dk, dvv

@@ -78,10 +78,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, window: Tensor, cau
     common = _meta(q, d, dv, causal, _launch.use_tma(interpret, q, k, v), interpret, has_docs)
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
     _launch._run("wfwd", interpret, blocks, grid,
-                 (q, k, v, win, slope2, order, st, en, out, lse, lse_lo,
-                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), sxb,
-                  n, B, Hq, Hq // Hkv, scale * LOG2E, _launch._n_key(n)), common, q, paths=(None,))
+                 dict(Q=q, K=k, V=v, WIN=win, SLOPE=slope2, ORDER=order, START=st, END=en, Out=out, LSE=lse,
+                      LSE_LO=lse_lo, **_launch.strides("q", q), **_launch.strides("k", k), **_launch.strides("v", v),
+                      **_launch.strides("o", out), sxb=sxb, n=n, B=B, Hq=Hq, G=Hq // Hkv, qk_scale=scale * LOG2E,
+                      N_KEY=_launch._n_key(n)), common, q, paths=(None,))
     return out, lse, lse_lo
 
 
@@ -109,16 +109,15 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     common = _meta(q, d, dv, causal, _launch.use_tma(interpret, q, k, v, dout), interpret, has_docs)
     qk_scale = scale * LOG2E
     blocks = blocks or {}
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    args = dict(Q=q, K=k, V=v, DO=dout, LSE=lse, LSE_LO=lse_lo, DELTA=delta, WIN=win, SLOPE=slope2, ORDER=order,
+                START=st, END=en, **_launch.strides("q", q), **_launch.strides("k", k), **_launch.strides("v", v),
+                **_launch.strides("d", dout), sxb=sxb, n=n, B=B, Hq=Hq, G=G, qk_scale=qk_scale, sm_scale=scale,
+                N_KEY=_launch._n_key(n))
     grid = lambda M: (triton.cdiv(n, M["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     _launch._run("wdkdv", interpret, blocks.get("dkdv"), grid,
-                 (q, k, v, dout, lse, lse_lo, delta, win, slope2, order, st, en, dk, dvv, *strides,
-                  dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2), sxb,
-                  n, B, Hq, Hkv, G, qk_scale, scale, _launch._n_key(n)), common, q, paths=(None,))
+                 dict(args, DK=dk, DVt=dvv, Hkv=Hkv, **_launch.strides("dk", dk), **_launch.strides("dv", dvv)),
+                 common, q, paths=(None,))
     grid = lambda M: (triton.cdiv(n, M["BLOCK_M"]) * B * Hq,)  # noqa: E731
-    _launch._run("wdq", interpret, blocks.get("dq"), grid,
-                 (q, k, v, dout, lse, lse_lo, delta, win, slope2, order, st, en, dq, *strides,
-                  dq.stride(0), dq.stride(1), dq.stride(2), sxb,
-                  n, B, Hq, G, qk_scale, scale, _launch._n_key(n)), common, q, paths=(None,))
+    _launch._run("wdq", interpret, blocks.get("dq"), grid, dict(args, DQ=dq, **_launch.strides("dq", dq)),
+                 common, q, paths=(None,))
     return dq, dk, dvv
