@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._compat import warn_once
-from ._validation import check_qkv, check_scale
+from ._validation import check_qkv, check_scale, compute_dtype
 from .documents import make_documents
 from .ops import load_backends, registry
 from .ops.call import Call, Span, check_covered, make_span  # noqa: F401  (Span, make_span: the call contract)
@@ -188,7 +188,8 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal
         rerun = dict(causal=causal, scale=scale, backend=chosen.name, return_lse=return_lse, **positions)
         out, lse = degenerate_call(call, lambda q, k, v: _dispatch(q, k, v, positional, **rerun))
     else:
-        call = call._replace(positional=positional.to(q.device))
+        # on q's device, in values the backend's compute dtype holds (e.g. slopes past float32's range)
+        call = call._replace(positional=positional.to(q.device).for_compute(compute_dtype(q.dtype)))
         if span is not None:
             check_covered(call.positional, span, causal)
         out, lse = chosen.fns[positional.op](call)

@@ -21,6 +21,11 @@ from ..positional import Positional
 __all__ = ["AlibiWindow", "make_window", "windows_in_sigmas", "NO_WINDOW"]
 
 NO_WINDOW = torch.iinfo(torch.int64).max     # a window past every sequence: exact ALiBi
+# The steepest slope a float32 kernel is given. Any steeper slope (float64 holds up to 1.8e308) means
+# the same: a key 1 position away weighs e^{-2^125} relative to the query itself, 0 in every dtype
+# (unless logits differ by ~4e37), so the query attends to itself alone. 2^125 stays finite in
+# float32 times log2(e) (the Triton kernels' base 2) up to 4 positions away; beyond, -inf is exact.
+STEEPEST_SLOPE = 2.0 ** 125
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +58,14 @@ class AlibiWindow(Positional):
         if self.slopes.device == torch.device(device):
             return self
         return AlibiWindow(self.slopes.to(device), self.window.to(device))
+
+    def for_compute(self, dtype: torch.dtype) -> "AlibiWindow":
+        """Below float64 the slopes are capped at :data:`STEEPEST_SLOPE` (a steeper one becomes ``inf``
+        in float32, and ``inf * 0`` NaN on the diagonal): the same attention, as the float64 oracle gives
+        it. No sync: a clamp of ``[H]`` per call."""
+        if dtype == torch.float64:
+            return self
+        return AlibiWindow(self.slopes.clamp(max=STEEPEST_SLOPE), self.window)
 
     def tensors(self) -> Tuple[Tensor, Tensor]:
         """``(slopes [H] float64, window [H] int64)``."""
