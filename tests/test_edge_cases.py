@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import poslsh
+from poslsh.window.kind import NO_WINDOW
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
@@ -97,3 +98,57 @@ def test_huge_sigma_and_list_sigma_are_handled():
     assert p.sigma.dtype == torch.float64 and p.sigma.tolist() == [1.0, 2.0]
     ok = poslsh.sample_partitions(torch.tensor([2.0]), 2, seed=2 ** 64 - 1)
     assert ok.widths.shape == (1, 2)
+
+
+# ------------------------------------------------ windows past int64: exact ALiBi, or the value given
+def _window_heads(window):
+    return poslsh.window.make_window(poslsh.alibi_slopes(2), window).window.tolist()
+
+
+@pytest.mark.parametrize("window,want", [
+    (float("inf"), [NO_WINDOW] * 2), (1e30, [NO_WINDOW] * 2), (2 ** 64, [NO_WINDOW] * 2), (2 ** 63, [NO_WINDOW] * 2),
+    (5.0, [5, 5]), (torch.tensor([1e30, 3.0]), [NO_WINDOW, 3]), (torch.tensor([float("inf"), 2.0]), [NO_WINDOW, 2]),
+    (torch.tensor([2.0 ** 63, 2.0 ** 62]), [NO_WINDOW, 2 ** 62]), (torch.tensor(1e30, dtype=torch.float32), [NO_WINDOW] * 2),
+    ([2 ** 64, 3], [NO_WINDOW, 3]), ((float("inf"), 4), [NO_WINDOW, 4]),
+])
+def test_windows_past_int64_are_exact_alibi(window, want):
+    """A window >= n is exact ALiBi (docs): one past int64 is the widest window, not a wrapped negative one."""
+    assert _window_heads(window) == want
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+               for _ in range(3))
+    out = poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=window, causal=True, backend="torch")
+    ref = poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor(want), causal=True)
+    assert float((out - ref).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("window,err,match", [
+    (torch.tensor([-1e30, 2.0], dtype=torch.float64), ValueError, r"got \[-1e\+30, 2\.0\]"),
+    (-2 ** 70, ValueError, r"got -1180591620717411303424"),
+    (-1, ValueError, r"got -1\b"),
+    (float("-inf"), ValueError, r"got -inf"),
+    (float("nan"), ValueError, "whole numbers"),
+    (2.5, ValueError, "whole numbers"),
+    (torch.tensor([float("nan"), 1.0]), ValueError, "whole numbers"),
+    ([1, "2"], TypeError, "window must be"),
+    (True, TypeError, "window must be"),
+])
+def test_bad_windows_name_the_value_given(window, err, match):
+    with pytest.raises(err, match=match) as info:
+        _window_heads(window)
+    assert "9223372036854775808" not in str(info.value)          # never a wrapped int64
+
+
+def test_window_rules_past_int64():
+    from poslsh.window import cost_matched_window, windows_in_sigmas
+    assert windows_in_sigmas(1e300, [1.0, 2.0]).tolist() == [NO_WINDOW] * 2
+    assert windows_in_sigmas(float("inf"), [1.0]).tolist() == [NO_WINDOW]
+    assert windows_in_sigmas(2.5, [2.0, 4.0]).tolist() == [5, 10]
+    for c in (float("nan"), -1.0, "4"):
+        with pytest.raises((ValueError, TypeError), match="c must be"):
+            windows_in_sigmas(c, [1.0])
+    w = cost_matched_window(poslsh.alibi_sigmas(4), 10 ** 30)                 # s past int64
+    assert w.dtype == torch.int64 and bool((w > cost_matched_window(poslsh.alibi_sigmas(4), 10 ** 6)).all())
+    layer = poslsh.AlibiAttention(16, 4, window_sigmas=1e300)
+    assert layer.exact and poslsh.AlibiAttention(16, 4, window=2 ** 64).exact
+    assert poslsh.AlibiAttention(16, 4, window=[2 ** 64, 1, 2, float("inf")]).window.window.tolist() == \
+        [NO_WINDOW, 1, 2, NO_WINDOW]
