@@ -152,3 +152,38 @@ def test_window_rules_past_int64():
     assert layer.exact and poslsh.AlibiAttention(16, 4, window=2 ** 64).exact
     assert poslsh.AlibiAttention(16, 4, window=[2 ** 64, 1, 2, float("inf")]).window.window.tolist() == \
         [NO_WINDOW, 1, 2, NO_WINDOW]
+
+
+# ------------------------------------------------ arguments on the meta device: named, with the device
+_Q = torch.randn(1, 2, 6, 4)
+_M = "meta"
+_PARTS = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)
+
+
+@pytest.mark.parametrize("name,call", [
+    ("cu_seqlens", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2), window=2,
+                                                           cu_seqlens=torch.tensor([0, 3, 6], device=_M))),
+    ("document_ids", lambda: poslsh.poslsh_attention(_Q, _Q, _Q, _PARTS,
+                                                     document_ids=torch.zeros(1, 6, dtype=torch.long, device=_M))),
+    ("window", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2),
+                                                       window=torch.tensor([2, 3], device=_M))),
+    ("slopes", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2).to(_M), window=2)),
+    ("sigma", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, sigma=poslsh.alibi_sigmas(2).to(_M), window=2)),
+    ("sigma", lambda: poslsh.sample_partitions(poslsh.alibi_sigmas(2).to(_M), 3, seed=0)),
+    ("slopes", lambda: poslsh.sample_partitions(slopes=poslsh.alibi_slopes(2).to(_M), num_samples=3, seed=0)),
+    ("slopes", lambda: poslsh.alibi_attention(_Q.double(), _Q.double(), _Q.double(), poslsh.alibi_slopes(2).to(_M))),
+    ("slopes", lambda: poslsh.AlibiAttention(8, 2, slopes=poslsh.alibi_slopes(2).to(_M))),
+    ("window", lambda: poslsh.AlibiAttention(8, 2, window=torch.tensor([2, 3], device=_M))),
+    ("partitions", lambda: poslsh.poslsh_attention(_Q, _Q, _Q, _PARTS.to(_M))),
+    ("positional", lambda: poslsh.attend(_Q, _Q, _Q, poslsh.window.make_window(poslsh.alibi_slopes(2), 2).to(_M))),
+])
+def test_arguments_on_the_meta_device_are_named(name, call):
+    """A meta tensor has a shape and no values; these arguments' values decide the attention."""
+    with pytest.raises(ValueError, match=rf"^{name} is on the meta device .*: pass it on the CPU or on q's device"):
+        call()
+
+
+def test_meta_queries_with_real_arguments_still_infer_shapes():
+    q = torch.empty(1, 2, 6, 4, device=_M)
+    out = poslsh.windowed_alibi_attention(q, q, q, poslsh.alibi_slopes(2), window=2, cu_seqlens=torch.tensor([0, 3, 6]))
+    assert out.device.type == "meta" and out.shape == (1, 2, 6, 4)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .._compat import one_rate
+from .._validation import check_has_values
 from ..alibi import as_per_head
 from ..positional import Positional
 
@@ -149,7 +150,7 @@ def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads:
     if isinstance(window, (list, tuple)):
         window = torch.tensor([_scalar_window(x) for x in window], dtype=torch.int64)
     if isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
-        given = window.detach().reshape(-1)
+        given = check_has_values(window, "window").detach().reshape(-1)
         if given.dtype.is_floating_point:
             _require((given == given.round()).all(), "window: per-head windows must be whole numbers of positions")
         _require((given >= 0).all(), "window: windows must be >= 0 (keys with |i - j| <= window attend), got "
