@@ -5,7 +5,9 @@ op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed),
 float64-safe oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
-from .registry import Backend, Call, register_backend, registered, resolve
+import torch
+
+from .registry import Backend, Call, mark_missing, register_backend, registered, resolve
 
 __all__ = ["Backend", "Call", "register_backend", "registered", "resolve", "load_backends"]
 
@@ -39,9 +41,12 @@ def load_backends() -> None:
     register_backend("reference", _reference, op="window", features=everything)
     from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
     register_backend("reference", _reference_grid, op="nd", features=("lse",))
-    try:
-        from . import triton  # noqa: F401  (registers "triton" when triton is installed)
-    except ImportError:
-        pass
-    from . import flex  # noqa: F401  (registers "flex" when torch has FlexAttention)
+    from . import triton  # (registers "triton" when triton is installed)
+    if not triton.AVAILABLE:
+        mark_missing("triton", 'it needs triton, which is not installed (pip install "poslsh[triton]"), and CUDA '
+                     "tensors (or TRITON_INTERPRET=1 on the CPU)")
+    from . import flex  # (registers "flex" when torch has FlexAttention)
+    if not flex.AVAILABLE:
+        mark_missing("flex", f"it needs FlexAttention (torch.nn.attention.flex_attention), which torch "
+                     f"{torch.__version__} does not have")
     _loaded = True
