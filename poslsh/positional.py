@@ -94,7 +94,9 @@ class Positional:
     def check_heads(self, num_heads: int) -> None:
         """Raise unless the object has one entry per query head of the call."""
         if self.num_heads != num_heads:
-            raise ValueError(f"{self.heads_are} {self.num_heads} heads but q has {num_heads} query heads")
+            hint = (f" (a number as sigma or slopes is one head's value; {num_heads} heads need one each, e.g. "
+                    f"poslsh.alibi_sigmas({num_heads}))" if self.num_heads == 1 else "")
+            raise ValueError(f"{self.heads_are} {self.num_heads} heads but q has {num_heads} query heads{hint}")
 
     def check_layout(self, seq_len: int, grid=None):
         """The call's token layout: a sequence (``grid`` None, returned as is) unless the kind says otherwise."""

@@ -187,3 +187,17 @@ def test_meta_queries_with_real_arguments_still_infer_shapes():
     q = torch.empty(1, 2, 6, 4, device=_M)
     out = poslsh.windowed_alibi_attention(q, q, q, poslsh.alibi_slopes(2), window=2, cu_seqlens=torch.tensor([0, 3, 6]))
     assert out.device.type == "meta" and out.shape == (1, 2, 6, 4)
+
+
+def test_a_number_as_sigma_is_one_head_and_a_head_mismatch_says_so():
+    """sample_partitions(8, ...) is one head of sigma 8 (documented; a one-element tensor is the same):
+    attending 8 heads with it names the mismatch and what a number means."""
+    one = poslsh.sample_partitions(8, 3, seed=0)
+    assert one.num_heads == 1 and one.sigma.tolist() == [8.0]
+    assert one.same_as(poslsh.sample_partitions(torch.tensor([8.0]), 3, seed=0))
+    q = torch.randn(1, 8, 5, 4)
+    with pytest.raises(ValueError, match=r"1 heads but q has 8 query heads \(a number as sigma or slopes is one "
+                                         r"head's value; 8 heads need one each, e.g. poslsh.alibi_sigmas\(8\)\)"):
+        poslsh.poslsh_attention(q, q, q, one)
+    with pytest.raises(ValueError, match=r"slopes and window give 1 heads but q has 8 query heads \(a number"):
+        poslsh.windowed_alibi_attention(q, q, q, 0.5, window=2)
