@@ -84,6 +84,14 @@ def test_tiny_sigma_blocks_agree_with_block_ids():
     (lambda: poslsh.sample_partitions([1.0], 3, seed=True), TypeError, "seed must be an int"),
     (lambda: poslsh.poslsh_attention(*(torch.randn(1, 1, 4, 8),) * 3, poslsh.sample_partitions([2.0], 2, seed=0),
                                      scale="0.5"), TypeError, "scale must be a real number"),
+    (lambda: poslsh.window.cost_matched_window(poslsh.alibi_sigmas(2), 0), ValueError,
+     "num_samples must be an int >= 1, got 0"),
+    (lambda: poslsh.window.cost_matched_window(poslsh.alibi_sigmas(2), 2.5), ValueError,
+     "num_samples must be an int >= 1, got 2.5"),
+    (lambda: poslsh.windowed_alibi_attention(*(torch.randn(1, 2, 4, 8),) * 3, poslsh.alibi_slopes(2), window=2,
+                                             causal="no"), TypeError, "causal must be a bool, got str"),
+    (lambda: poslsh.poslsh_attention(*(torch.randn(1, 1, 4, 8),) * 3, poslsh.sample_partitions([2.0], 2, seed=0),
+                                     causal=1), TypeError, "causal must be a bool, got int"),
 ])
 def test_bad_arguments_name_themselves(call, err, match):
     with pytest.raises(err, match=match):
