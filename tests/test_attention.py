@@ -92,5 +92,10 @@ def test_a_backend_this_installation_lacks_says_what_it_needs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("backend='triton' is not available here: it needs triton, which is not installed "
-                               "(pip install \"poslsh[triton]\")"), lines
+                               "(pip install \"triton>=3.4\", the [triton] extra of poslsh)"), lines
     assert lines[1].startswith("backend: unknown backend 'tritn'"), lines
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+    from poslsh.ops import TRITON_REQUIREMENT
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["triton"] == [TRITON_REQUIREMENT]

@@ -12,6 +12,7 @@ from .registry import Backend, Call, mark_missing, register_backend, registered,
 __all__ = ["Backend", "Call", "register_backend", "registered", "resolve", "load_backends"]
 
 _loaded = False
+TRITON_REQUIREMENT = "triton>=3.4"     # the [triton] extra of pyproject.toml (a test checks they agree)
 
 
 def _reference(call: Call):
@@ -43,8 +44,8 @@ def load_backends() -> None:
     register_backend("reference", _reference_grid, op="nd", features=("lse",))
     from . import triton  # (registers "triton" when triton is installed)
     if not triton.AVAILABLE:
-        mark_missing("triton", 'it needs triton, which is not installed (pip install "poslsh[triton]"), and CUDA '
-                     "tensors (or TRITON_INTERPRET=1 on the CPU)")
+        mark_missing("triton", f'it needs triton, which is not installed (pip install "{TRITON_REQUIREMENT}", the '
+                     "[triton] extra of poslsh), and CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
     from . import flex  # (registers "flex" when torch has FlexAttention)
     if not flex.AVAILABLE:
         mark_missing("flex", f"it needs FlexAttention (torch.nn.attention.flex_attention), which torch "

@@ -174,6 +174,8 @@ def windows_in_sigmas(c: float, sigma=None, *, slopes=None) -> Tensor:
     """``w_h = ceil(c sigma_h)`` (int64 ``[H]``; ``sigma`` ``[H]``, or by keyword ``slopes=``): the dropped keys
     weigh at most ``e^{-c}`` each, relative to the query itself. ``c >= 0`` (``inf``: exact ALiBi); a window
     past int64 is :data:`NO_WINDOW`."""
+    if isinstance(c, Tensor) and c.numel() == 1:
+        c = float(c)
     if isinstance(c, bool) or not isinstance(c, numbers.Real) or math.isnan(c) or c < 0:
         raise ValueError(f"c must be a number >= 0 (the window in units of sigma_h), got {c!r}")
     sig = as_per_head(one_rate(slopes, sigma, want="sigma", where="windows_in_sigmas"), "sigma").to(torch.float64)
