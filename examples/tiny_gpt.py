@@ -8,13 +8,15 @@ lengths it was never trained on. Train it on any text file, on the CPU::
 
     python examples/tiny_gpt.py --preset tiny --steps 300 --text /usr/share/doc/python3.11/html/library/functions.html
 
-(any UTF-8 text works; the Debian package ``python3.11-doc`` has plenty). ``--preset nano`` is
+(any UTF-8 text works, gzipped too, as Debian ships most of ``/usr/share/doc``; the package
+``python3.11-doc`` has plenty). ``--preset nano`` is
 nanoGPT's "baby" size (6 layers, 6 heads, 384 wide). Partitions: fresh per (seed, step, layer) in
 training, fixed per layer in evaluation (:class:`poslsh.PartitionSchedule`).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import math
 import time
 from dataclasses import dataclass, replace
@@ -133,18 +135,32 @@ def evaluate(model: GPT, data: Tensor, length: int, windows: int = 8) -> float:
     return float(loss)
 
 
-def main() -> None:
+def read_text(path: Path) -> bytes:
+    """The bytes of a text file, decompressed when it is gzipped (``*.gz``, or gzip's magic bytes)."""
+    raw = path.read_bytes()
+    return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    ap.add_argument("--text", type=Path, help="a UTF-8 text file (default: this file)")
+    ap.add_argument("--text", type=Path, help="a UTF-8 text file, or a gzipped one (default: this file)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--samples", type=int, help="positional LSH samples per head (default: the preset's)")
     ap.add_argument("--attention", choices=("poslsh", "alibi-window"), default="poslsh")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
     cfg = replace(PRESETS[args.preset], attention=args.attention)
     if args.samples:
         cfg = replace(cfg, num_samples=args.samples)
-    text = (args.text or Path(__file__)).read_bytes()
+    if args.text is not None and not args.text.is_file():
+        ap.error(f"--text: {args.text} is not a file (e.g. sudo apt-get install python3.11-doc for the command "
+                 "in this file's docstring, or any UTF-8 text file)")
+    text = read_text(args.text or Path(__file__))
     data = torch.tensor(list(text), dtype=torch.long)
     cut = int(0.9 * data.numel())
     model, _ = train(cfg, data[:cut], steps=args.steps)

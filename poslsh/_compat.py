@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
+from ._validation import check_has_values
+
 __all__ = ["PoslshDeprecationWarning", "warn_once", "renamed_keywords", "positional_up_to", "moved_names",
            "one_rate", "takes_slopes_too", "reset_warnings"]
 
@@ -116,6 +118,7 @@ def one_rate(slopes, sigma, *, want: str, where: str, default: Optional[Callable
             return default()
         raise TypeError(f"{where}: pass the per-head rate, slopes= (ALiBi's m_h) or sigma= (1 / m_h)")
     given, word = (slopes, "slopes") if slopes is not None else (sigma, "sigma")
+    check_has_values(given, word)
     if word == want:
         return given
     t = _rate(given, word)
@@ -143,7 +146,7 @@ def takes_slopes_too(fn):
             given = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
             if given.get("sigma") is not None:
                 raise TypeError(f"{fn.__qualname__}: pass sigma= or slopes= (sigma_h = 1 / slope_h), not both")
-            kwargs["sigma"] = _inverse(slopes, "slopes")
+            kwargs["sigma"] = _inverse(check_has_values(slopes, "slopes"), "slopes")
         return fn(*args, **kwargs)
     inner.rate_words = ("sigma", "slopes")        # what the vocabulary test reads
     return inner

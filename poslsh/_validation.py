@@ -27,6 +27,15 @@ class AttnShape(NamedTuple):
         return self.q_heads // self.kv_heads
 
 
+def check_has_values(t, name: str):
+    """``t`` itself, unless it is a tensor on the meta device (a shape without values) where its values are
+    needed: then one ValueError naming it (not torch's "Cannot copy out of meta tensor" from deep inside)."""
+    if isinstance(t, Tensor) and t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values; its values are needed here): "
+                         "pass it on the CPU or on q's device")
+    return t
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, kv_cache: bool = False, any_lengths: bool = False) -> AttnShape:
     """Validate ``q [B, Hq, n, d]``, ``k [B, Hkv, nk, d]``, ``v [B, Hkv, nk, dv]``: ``nk = n``
     (self-attention), ``nk >= n`` with ``kv_cache``, any ``nk >= 1`` with ``any_lengths``

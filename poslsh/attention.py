@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._compat import warn_once
-from ._validation import check_qkv, check_scale
+from ._validation import check_has_values, check_qkv, check_scale, compute_dtype
 from .documents import make_documents
 from .ops import load_backends, registry
 from .ops.call import Call, Span, check_covered, make_span  # noqa: F401  (Span, make_span: the call contract)
@@ -75,7 +75,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal: b
     :class:`~poslsh.Partitions`, exact ALiBi in windows for an :class:`~poslsh.AlibiWindow`, boxes
     for a :class:`~poslsh.PartitionsND` (with ``grid=(height, width)``): the object's op
     (``positional.op``) on the backend the registry picks. Arguments as in the ops."""
-    check_positional(positional)
+    _with_values(check_positional(positional), "positional", q)
     return _dispatch(q, k, v, positional, causal=causal, scale=scale, backend=backend, q_start=q_start,
                      k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,
                      return_lse=return_lse, grid=grid)
@@ -107,7 +107,7 @@ def poslsh_attention(q: Tensor, k: Tensor, v: Tensor, partitions, *, causal: boo
             linear: ``O(n d s b)`` time, ``O(n (d + s))`` memory; every feature), ``"triton"``
             (fused GPU kernel, CUDA tensors, self-attention) or ``"reference"`` (dense ``n x n``);
             :func:`available_backends` lists them."""
-    check_positional(partitions, "partitions", op="sequence")
+    _with_values(check_positional(partitions, "partitions", op="sequence"), "partitions", q)
     return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, q_start=q_start,
                      k_start=k_start, seq_len=seq_len, cu_seqlens=cu_seqlens, document_ids=document_ids,
                      return_lse=return_lse)
@@ -147,7 +147,7 @@ def poslsh_attention_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *, grid: Op
         ``[B, Hq, n, dv]`` in ``q.dtype`` (and the lse). Differentiable in ``q``, ``k``, ``v``. No positions
         (``q_start``), packed documents or lse on the torch backend: the op attends whole grids.
     """
-    check_positional(partitions, "partitions", op="nd")
+    _with_values(check_positional(partitions, "partitions", op="nd"), "partitions", q)
     return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, return_lse=return_lse, grid=grid)
 
 
@@ -156,6 +156,12 @@ def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple
     warn_once("poslsh_attention_2d", "poslsh_attention_2d(q, k, v, partitions, grid) is now poslsh_attention_nd(q, k, "
               "v, partitions, grid=grid) (one spelling for the N-D family); the old name goes in the next release")
     return poslsh_attention_nd(q, k, v, partitions, grid=grid, **kwargs)
+
+
+def _with_values(positional: Positional, name: str, q) -> None:
+    """A positional object on the meta device has no values to attend with (unless q is meta too: shapes)."""
+    if not (isinstance(q, Tensor) and q.device.type == "meta") and positional.device.type == "meta":
+        check_has_values(positional.tensors()[0], name)
 
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal, scale, backend, q_start=None,
@@ -188,7 +194,8 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, causal
         rerun = dict(causal=causal, scale=scale, backend=chosen.name, return_lse=return_lse, **positions)
         out, lse = degenerate_call(call, lambda q, k, v: _dispatch(q, k, v, positional, **rerun))
     else:
-        call = call._replace(positional=positional.to(q.device))
+        # on q's device, in values the backend's compute dtype holds (e.g. slopes past float32's range)
+        call = call._replace(positional=positional.to(q.device).for_compute(compute_dtype(q.dtype)))
         if span is not None:
             check_covered(call.positional, span, causal)
         out, lse = chosen.fns[positional.op](call)

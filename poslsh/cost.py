@@ -49,7 +49,7 @@ def expected_reach(sigma, num_samples: int) -> Tensor:
         # terms 1 - (1 - e^{-x/sig})^s fall below 1e-16 once x > sig (log s + 37): sum them all
         top = max(1, math.ceil(sig * (math.log(num_samples) + 37.0)))
         x = torch.arange(1, top + 1, dtype=torch.float64)
-        out[h] = -torch.expm1(num_samples * torch.log1p(-torch.exp(-x / sig))).sum()
+        out[h] = -torch.expm1(float(num_samples) * torch.log1p(-torch.exp(-x / sig))).sum()
     return out
 
 

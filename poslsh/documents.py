@@ -22,6 +22,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ._validation import check_has_values
+
 __all__ = ["Documents", "make_documents"]
 
 
@@ -55,6 +57,7 @@ def _integer(t, name: str) -> Tensor:
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    check_has_values(t, name)
     return t.to(torch.int64)
 
 

@@ -294,8 +294,6 @@ class AlibiAttention(HeadsAttention):
             window = smallest_window(tol, slopes=m, logit_range=logit_range, causal=self.causal)
         elif window is None:
             window = NO_WINDOW
-        if isinstance(window, (list, tuple)):
-            window = torch.as_tensor(window, dtype=torch.int64)
         self.window = make_window(m, window, self.num_heads)        # the layer's positional object
         self._on: dict = {}                                          # device -> the window there
 

@@ -18,6 +18,8 @@ object (its methods below) instead of asking which kind it is. What a kind answe
 ``num_heads``          query heads; ``check_heads(n)`` raises naming the mismatch, ``check_layout(n, grid)``
                        checks the call's token layout (a call's validation)
 ``device``, ``to(d)``  where its tensors live; ``to`` moves checked values without checking again
+``for_compute(dt)``    itself as a backend computing in ``dt`` takes it: values ``dt`` cannot hold replaced
+                       by ones that give the same attention (the dispatcher asks, for every backend)
 ``tensors()``          the tensors that define it (what custom ops and kernels take), in a fixed order
 ``fingerprint()``      a 64-bit hash of its kind and tensors, bit for bit (context parallelism)
 ``same_as(other)``     the same kind with bit-identical tensors
@@ -76,6 +78,11 @@ class Positional:
     def dense_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:   # pragma: no cover - abstract
         raise NotImplementedError
 
+    def for_compute(self, dtype: torch.dtype) -> "Positional":
+        """The object a backend computing in ``dtype`` (float32 or float64) attends with: the same
+        attention, every value held by ``dtype``. Most kinds hold nothing ``dtype`` cannot: itself."""
+        return self
+
     def reach(self, positions: Tensor, seq_len: int) -> Tuple[Tensor, Tensor]:
         raise TypeError(f"{type(self).__name__} has no reach along a sequence: decoding and context parallelism "
                         "serve the sequence and window kinds")
@@ -87,7 +94,9 @@ class Positional:
     def check_heads(self, num_heads: int) -> None:
         """Raise unless the object has one entry per query head of the call."""
         if self.num_heads != num_heads:
-            raise ValueError(f"{self.heads_are} {self.num_heads} heads but q has {num_heads} query heads")
+            hint = (f" (a number as sigma or slopes is one head's value; {num_heads} heads need one each, e.g. "
+                    f"poslsh.alibi_sigmas({num_heads}))" if self.num_heads == 1 else "")
+            raise ValueError(f"{self.heads_are} {self.num_heads} heads but q has {num_heads} query heads{hint}")
 
     def check_layout(self, seq_len: int, grid=None):
         """The call's token layout: a sequence (``grid`` None, returned as is) unless the kind says otherwise."""

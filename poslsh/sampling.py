@@ -51,6 +51,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._validation import check_has_values
 from .widths import MAX_WIDTH, GammaWidths, WidthDistribution, gamma2_quantile
 
 __all__ = ["SAMPLERS", "DEFAULT_GROUP_SIZE", "parse_sampler", "check_groups", "group_sizes", "draw", "draw_iid",
@@ -202,6 +203,7 @@ def check_sigma(sigma) -> Tensor:
     else:
         raise TypeError(f"sigma must be a tensor, a number or a list of numbers (per-head bandwidths), "
                         f"got {type(sigma).__name__}")
+    check_has_values(sigma, "sigma")
     if sigma.dim() == 0:
         sigma = sigma.reshape(1)
     if sigma.dim() != 1 or sigma.numel() < 1:

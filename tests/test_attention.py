@@ -74,3 +74,28 @@ def test_first_ever_call_may_be_inside_torch_compile():
             "assert (f(q).double() - ref).abs().max() < 1e-5\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_backend_this_installation_lacks_says_what_it_needs():
+    """backend="triton" without triton: what it needs, not "unknown backend"; a misspelt name stays unknown."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, poslsh\n"
+            "q = torch.randn(1, 2, 5, 4)\n"
+            "for name in ('triton', 'tritn'):\n"
+            "    try:\n"
+            "        poslsh.windowed_alibi_attention(q, q, q, poslsh.alibi_slopes(2), window=2, backend=name)\n"
+            "    except ValueError as e:\n"
+            "        print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("backend='triton' is not available here: it needs triton, which is not installed "
+                               "(pip install \"triton>=3.4\", the [triton] extra of poslsh)"), lines
+    assert lines[1].startswith("backend: unknown backend 'tritn'"), lines
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+    from poslsh.ops import TRITON_REQUIREMENT
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["triton"] == [TRITON_REQUIREMENT]

@@ -92,6 +92,47 @@ def test_module_without_projections_grids_and_documents():
         poslsh.PoslshAttention(8, 4, num_kv_heads=3)
 
 
+def _docstring_command():
+    """examples/tiny_gpt.py's module and the arguments of the command in its docstring."""
+    import shlex
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples import tiny_gpt
+    line = next(ln for ln in tiny_gpt.__doc__.splitlines() if ln.strip().startswith("python examples/tiny_gpt.py"))
+    return tiny_gpt, shlex.split(line)[2:]
+
+
+def test_example_command_of_the_docstring_reads_its_text(tmp_path, capsys):
+    """The docstring's command parses and its --text is a UTF-8 text where it is installed (it was a
+    README.rst that Debian ships gzipped); a gzipped text is read as its text, not as compressed bytes;
+    a missing file is argparse's usage and one error line, exit 2."""
+    import gzip
+    tiny_gpt, args = _docstring_command()
+    packed = tmp_path / "text.gz"
+    packed.write_bytes(gzip.compress("the quick brown fox. ".encode() * 400))
+    assert tiny_gpt.read_text(packed) == "the quick brown fox. ".encode() * 400
+    with pytest.raises(SystemExit) as stop:
+        tiny_gpt.main(["--steps", "2", "--text", str(tmp_path / "nope.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and "error: --text:" in err[-1] and "is not a file" in err[-1], err
+    text = tiny_gpt.parser().parse_args(args).text
+    if not text.is_file():
+        pytest.skip(f"{text} (the docstring's text) is not installed here")
+    tiny_gpt.read_text(text).decode("utf-8")
+
+
+@pytest.mark.slow
+def test_example_command_of_the_docstring_runs(tmp_path):
+    """The docstring's command itself, with 2 steps (training, evaluation and a sample)."""
+    import subprocess
+    tiny_gpt, args = _docstring_command()
+    args[args.index("--steps") + 1] = "2"
+    if not tiny_gpt.parser().parse_args(args).text.is_file():
+        pytest.skip("the docstring's text is not installed here")
+    r = subprocess.run([sys.executable, tiny_gpt.__file__, *args], capture_output=True, text=True, timeout=900,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "held-out loss" in r.stdout, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("attention", ["poslsh", "alibi-window"])
 def test_example_model_trains_on_cpu(attention):
     """examples/tiny_gpt.py (docs/model.md): the loss of a tiny model falls on a repetitive text, on

@@ -77,3 +77,18 @@ def test_the_checker_sees_a_wrong_claim():
     found = mismatches(rows, registry.registered())
     assert ("torch", "positions") in {(m[0], m[1]) for m in found}
     assert ops_in("sequence, window") == {"sequence", "window"} and ops_in("—") == set()
+
+
+def test_the_window_page_lists_every_backend_of_the_window_op():
+    """docs/window.md's backend table names exactly the backends registered for the window op
+    (an optional one that is not installed here may be listed)."""
+    lines = (README.parent / "docs" / "window.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| backend | features | cost |"))
+    listed = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        listed.add(line.strip("|").split("|")[0].strip().strip('`"'))
+    registered = {b.name for b in registry.registered("window")}
+    assert registered <= listed, f"docs/window.md misses {sorted(registered - listed)}"
+    assert all(name in registered or name in OPTIONAL for name in listed), listed

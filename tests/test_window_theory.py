@@ -191,3 +191,68 @@ def test_logit_range_and_argument_errors():
                         (lambda: theory.logit_range(q[0], k), "expected")]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def _within(seconds, fn):
+    """``fn()``, or a failure after ``seconds`` (a bisection that never ends fails instead of hanging)."""
+    import signal
+
+    def stop(*_):
+        raise AssertionError(f"did not return within {seconds} s")
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        return fn()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _smallest(w, tol, sigma, R, **kw):
+    """``w`` meets ``tol`` and ``w - 1`` does not (the bound evaluated in float64, as the inverse does)."""
+    assert bool((theory.window_error_bound(w, sigma, R, **kw) <= tol).all())
+    below = theory.window_error_bound((w - 1).clamp(min=0), sigma, R, **kw)
+    assert bool(((w == 0) | (below > tol)).all()), (w, below)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_smallest_window_of_huge_sigma_returns(causal):
+    """Windows past 2^53 (where float64 has no room between integers) come back, the smallest in
+    float64; past int64 (sigma ~1e300, any length) the window is NO_WINDOW, which drops nothing at
+    any length a tensor can have; with n, the smallest of at most n - 1."""
+    from poslsh.window.kind import NO_WINDOW
+    sigma = torch.tensor([1e15, 1e16, 1e17], dtype=torch.float64)
+    w = _within(20, lambda: theory.smallest_window(1e-3, sigma, 5.0, causal=causal))
+    assert bool((w > 2 ** 53).all()) and w.dtype == torch.int64
+    _smallest(w, 1e-3, sigma, 5.0, causal=causal)
+    huge = _within(20, lambda: theory.smallest_window(1e-3, [1e300, 2.0], 5.0, causal=causal))
+    assert int(huge[0]) == NO_WINDOW and 0 < int(huge[1]) < 100
+    at_n = _within(20, lambda: theory.smallest_window(1e-3, 1e300, 5.0, causal=causal, n=10 ** 6))
+    assert 0 < int(at_n) <= 10 ** 6 - 1
+    _smallest(at_n, 1e-3, 1e300, 5.0, causal=causal, n=10 ** 6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("R", [740.0, 800.0, 1e5])
+def test_smallest_window_of_a_large_logit_range(R, causal):
+    """e^{-R} underflows past R ~ 745: the inverse works in log space (the window grows like sigma R)."""
+    sigma = torch.tensor([0.5, 10.0, 256.0], dtype=torch.float64)
+    for value_range in (None, 2.0):
+        w = theory.smallest_window(1e-3, sigma, R, causal=causal, value_range=value_range)
+        _smallest(w, 1e-3, sigma, R, causal=causal, value_range=value_range)
+        assert bool((w.double() >= sigma * R * 0.99).all())
+
+
+def test_per_head_arguments_of_different_lengths_are_named():
+    with pytest.raises(ValueError, match=r"tol has 3 values but sigma has 2"):
+        theory.smallest_window(torch.tensor([1e-3, 1e-2, 0.1]), torch.tensor([1.0, 2.0]), 5.0)
+    with pytest.raises(ValueError, match=r"sigma has 2 values but logit_range has 3"):
+        theory.smallest_window(1e-3, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"w has 3 values but sigma has 2"):
+        theory.window_error_bound(torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0]), 5.0)
+    with pytest.raises(ValueError, match=r"w has 3 values but sigma has 2"):
+        theory.window_tail_ratio(torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"w has 3 values but value_range has 2"):
+        theory.window_error_bound(torch.tensor([1, 2, 3]), 2.0, 5.0, value_range=[1.0, 2.0])
+    one = theory.smallest_window(torch.tensor([1e-3]), torch.tensor([1.0, 2.0]), 5.0)   # one for every head
+    assert one.shape == (2,)

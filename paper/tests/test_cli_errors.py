@@ -11,6 +11,8 @@ from poslsh_paper.cli import main
     (["train", "--set", "stepz=5"], "Unrecognized options: --stepz"),
     (["train", "--set", "steps=abc"], "Error parsing --steps"),
     (["train", "--steps", "-2"], "steps must be at least 1"),
+    (["train", "--method", "alibi-w100000000000000000000"], "is exact ALiBi in this run"),
+    (["train", "--method", "alibi-w1024", "--seq-len", "256"], "use --method alibi"),
     (["train", "--runs-dir", "README.md/runs"], "is a file, not a directory"),
     (["table", "--jobs", "0"], "jobs"),
     (["nope"], "unknown command 'nope'"),

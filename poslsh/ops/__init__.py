@@ -5,11 +5,14 @@ op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed),
 float64-safe oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
-from .registry import Backend, Call, register_backend, registered, resolve
+import torch
+
+from .registry import Backend, Call, mark_missing, register_backend, registered, resolve
 
 __all__ = ["Backend", "Call", "register_backend", "registered", "resolve", "load_backends"]
 
 _loaded = False
+TRITON_REQUIREMENT = "triton>=3.4"     # the [triton] extra of pyproject.toml (a test checks they agree)
 
 
 def _reference(call: Call):
@@ -39,14 +42,12 @@ def load_backends() -> None:
     register_backend("reference", _reference, op="window", features=everything)
     from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
     register_backend("reference", _reference_grid, op="nd", features=("lse",))
-    try:
-        from . import triton  # registers "triton" when triton is installed
-        missing = None if triton.AVAILABLE else ('it needs the triton package and a CUDA GPU '
-                                                 '(pip install "poslsh[triton]")')
-    except ImportError as e:
-        missing = f"importing triton failed ({e})"
-    if missing:
-        from .registry import register_missing
-        register_missing("triton", missing)
-    from . import flex  # noqa: F401  (registers "flex" when torch has FlexAttention)
+    from . import triton  # (registers "triton" when triton is installed)
+    if not triton.AVAILABLE:
+        mark_missing("triton", f'it needs triton, which is not installed (pip install "{TRITON_REQUIREMENT}", the '
+                     "[triton] extra of poslsh), and CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    from . import flex  # (registers "flex" when torch has FlexAttention)
+    if not flex.AVAILABLE:
+        mark_missing("flex", f"it needs FlexAttention (torch.nn.attention.flex_attention), which torch "
+                     f"{torch.__version__} does not have")
     _loaded = True

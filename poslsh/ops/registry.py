@@ -29,7 +29,8 @@ from torch import Tensor
 from .._compat import warn_once
 from .call import Call
 
-__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "registered", "resolve", "reasons", "check_op"]
+__all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "mark_missing", "registered", "resolve", "reasons",
+           "check_op"]
 
 OPS = ("sequence", "window", "nd")
 _RENAMED_OPS = {"grid": "nd"}      # the op's name in 0.2
@@ -73,11 +74,11 @@ class Backend:
 
 
 _BACKENDS: Dict[str, Backend] = {}
-_MISSING: Dict[str, str] = {}          # backends this install cannot have -> what they need
+_MISSING: Dict[str, str] = {}       # a known backend this installation lacks -> what it needs
 
 
-def register_missing(name: str, needs: str) -> None:
-    """Backend ``name`` exists but cannot load here; asking for it says ``needs`` (one line)."""
+def mark_missing(name: str, needs: str) -> None:
+    """Backend ``name`` is not installed here; naming it says ``needs`` (not "unknown backend")."""
     _MISSING[name] = needs
 
 
@@ -125,7 +126,7 @@ def resolve(name: str, op: str, q: Tensor, needs: Iterable[str] = ()) -> Backend
         raise ValueError(f"backend='auto': no backend runs the {op!r} op on {q.device} / {q.dtype} tensors{wants}"
                          + (f"; these can if named: {able}" if able else ""))
     if name not in _BACKENDS and name in _MISSING:
-        raise ValueError(f"backend={name!r} is not available: {_MISSING[name]}")
+        raise ValueError(f"backend={name!r} is not available here: {_MISSING[name]}; available: {sorted(_BACKENDS)}")
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown backend {name!r}; available: {sorted(_BACKENDS)}")
     why = reasons(_BACKENDS[name], op, needs, q)

@@ -7,6 +7,7 @@ windows into one (value checks become runtime asserts under ``torch.compile``);
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -15,12 +16,18 @@ import torch
 from torch import Tensor
 
 from .._compat import one_rate
+from .._validation import check_has_values
 from ..alibi import as_per_head
 from ..positional import Positional
 
-__all__ = ["AlibiWindow", "make_window", "windows_in_sigmas", "NO_WINDOW"]
+__all__ = ["AlibiWindow", "make_window", "windows_in_sigmas", "as_windows", "NO_WINDOW", "STEEPEST_SLOPE"]
 
 NO_WINDOW = torch.iinfo(torch.int64).max     # a window past every sequence: exact ALiBi
+# The steepest slope a float32 kernel is given. Any steeper slope (float64 holds up to 1.8e308) means
+# the same: a key 1 position away weighs e^{-2^125} relative to the query itself, 0 in every dtype
+# (unless logits differ by ~4e37), so the query attends to itself alone. 2^125 stays finite in
+# float32 times log2(e) (the Triton kernels' base 2) up to 4 positions away; beyond, -inf is exact.
+STEEPEST_SLOPE = 2.0 ** 125
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +60,14 @@ class AlibiWindow(Positional):
         if self.slopes.device == torch.device(device):
             return self
         return AlibiWindow(self.slopes.to(device), self.window.to(device))
+
+    def for_compute(self, dtype: torch.dtype) -> "AlibiWindow":
+        """Below float64 the slopes are capped at :data:`STEEPEST_SLOPE` (a steeper one becomes ``inf``
+        in float32, and ``inf * 0`` NaN on the diagonal): the same attention, as the float64 oracle gives
+        it. No sync: a clamp of ``[H]`` per call."""
+        if dtype == torch.float64:
+            return self
+        return AlibiWindow(self.slopes.clamp(max=STEEPEST_SLOPE), self.window)
 
     def tensors(self) -> Tuple[Tensor, Tensor]:
         """``(slopes [H] float64, window [H] int64)``."""
@@ -93,10 +108,37 @@ def _require(ok: Tensor, message: str) -> None:
         raise ValueError(message)
 
 
+_PAST_INT64 = 2.0 ** 63
+
+
+def _scalar_window(x) -> int:
+    """One window given as a Python number: an int, or a whole float (``inf``: exact ALiBi); past
+    int64 it is :data:`NO_WINDOW` (a window ``>= n`` is exact ALiBi)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"window must be an int, a sequence of ints or an integer tensor [H] of per-head windows, "
+                        f"got {type(x).__name__}")
+    if not isinstance(x, numbers.Integral):
+        x = float(x)
+        if math.isnan(x) or (math.isfinite(x) and x != math.floor(x)):
+            raise ValueError(f"window: per-head windows must be whole numbers of positions, got {x!r}")
+    if x < 0:
+        raise ValueError(f"window: windows must be >= 0 (keys with |i - j| <= window attend), got {x!r}")
+    return NO_WINDOW if x >= _PAST_INT64 else int(x)
+
+
+def as_windows(values: Tensor) -> Tensor:
+    """Float windows as int64, every one at or past 2^63 (``inf`` too) :data:`NO_WINDOW`, instead of
+    the cast's wrap-around (values below 2^63 are integers in float64, so the cast is exact there)."""
+    t = values.to(torch.float64)
+    cast = t.clamp(min=-_PAST_INT64, max=_PAST_INT64 - 1024).to(torch.int64)
+    return torch.where(t >= _PAST_INT64, torch.full_like(cast, NO_WINDOW), cast)
+
+
 def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads: Optional[int] = None, *,
                 sigma=None) -> AlibiWindow:
     """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``; or ``sigma=`` ``[H]``, ``slopes = 1 / sigma``) and
-    ``window`` (an int for every head, or ``[H]`` integers ``>= 0``) into an :class:`AlibiWindow`;
+    ``window`` (one for every head, or ``[H]`` as a sequence or a tensor; whole numbers ``>= 0``, and a
+    window past int64 or ``inf`` is :data:`NO_WINDOW`, exact ALiBi) into an :class:`AlibiWindow`;
     ``num_heads``, when given, must match."""
     slopes = one_rate(slopes, sigma, want="slopes", where="make_window")
     m = as_per_head(slopes, "slopes").detach().to(torch.float64)
@@ -105,26 +147,36 @@ def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads:
         raise ValueError(f"slopes: got {m.numel()} slopes for {num_heads} query heads")
     if window is None:
         raise TypeError("make_window: pass window= (an int, or int [H]: keys with |i - j| <= window attend)")
-    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
-        w = torch.full((m.numel(),), int(window), dtype=torch.int64, device=m.device)
-    elif isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
-        if window.dtype.is_floating_point:
-            _require((window == window.round()).all(), "window: per-head windows must be whole numbers of positions")
-        w = window.detach().reshape(-1).to(device=m.device, dtype=torch.int64)
+    if isinstance(window, (list, tuple)):
+        window = torch.tensor([_scalar_window(x) for x in window], dtype=torch.int64)
+    if isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
+        given = check_has_values(window, "window").detach().reshape(-1)
+        if given.dtype.is_floating_point:
+            _require((given == given.round()).all(), "window: per-head windows must be whole numbers of positions")
+        _require((given >= 0).all(), "window: windows must be >= 0 (keys with |i - j| <= window attend), got "
+                 + ("a negative one" if torch.compiler.is_compiling() else str(given.tolist())))
+        if given.dtype.is_floating_point:
+            given = as_windows(given)
+        w = given.to(device=m.device, dtype=torch.int64)
         if w.numel() == 1:
             w = w.expand(m.numel()).clone()
+    elif isinstance(window, Tensor):
+        raise TypeError(f"window must be an integer tensor [H] of per-head windows, got {window.dtype} "
+                        f"{tuple(window.shape)}")
     else:
-        raise TypeError(f"window must be an int or an integer tensor [H] of per-head windows, got "
-                        f"{type(window).__name__}")
+        w = torch.full((m.numel(),), _scalar_window(window), dtype=torch.int64, device=m.device)
     if w.numel() != m.numel():
         raise ValueError(f"window: got {w.numel()} windows for {m.numel()} heads")
-    _require((w >= 0).all(), "window: windows must be >= 0 (keys with |i - j| <= window attend), got "
-             + ("a negative one" if torch.compiler.is_compiling() else str(w.tolist())))
     return AlibiWindow(m, w)
 
 
 def windows_in_sigmas(c: float, sigma=None, *, slopes=None) -> Tensor:
     """``w_h = ceil(c sigma_h)`` (int64 ``[H]``; ``sigma`` ``[H]``, or by keyword ``slopes=``): the dropped keys
-    weigh at most ``e^{-c}`` each, relative to the query itself."""
+    weigh at most ``e^{-c}`` each, relative to the query itself. ``c >= 0`` (``inf``: exact ALiBi); a window
+    past int64 is :data:`NO_WINDOW`."""
+    if isinstance(c, Tensor) and c.numel() == 1:
+        c = float(c)
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or math.isnan(c) or c < 0:
+        raise ValueError(f"c must be a number >= 0 (the window in units of sigma_h), got {c!r}")
     sig = as_per_head(one_rate(slopes, sigma, want="sigma", where="windows_in_sigmas"), "sigma").to(torch.float64)
-    return torch.ceil(sig * float(c) - 1e-9).to(torch.int64)
+    return as_windows(torch.ceil(sig * float(c) - 1e-9))

@@ -33,8 +33,9 @@ def windowed_alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, wi
         v: ``[B, Hkv, nk, dv]`` values.
         slopes: ``[Hq]`` ALiBi slopes ``m_h`` (:func:`poslsh.alibi_slopes`), finite, ``>= 0``; or by keyword
             ``sigma=`` ``[Hq]``, the bandwidths ``sigma_h = 1 / m_h`` (exactly one of the two).
-        window: keys with ``|i - j| <= window`` attend: an int for every head, or int ``[Hq]``
-            (0: each query sees itself only; ``>= n``: exact ALiBi). Positions are absolute with
+        window: keys with ``|i - j| <= window`` attend: an int for every head, or ``[Hq]`` (a sequence or
+            an int tensor; whole floats too) (0: each query sees itself only; ``>= n``: exact ALiBi, as is
+            ``inf`` or any window past int64). Positions are absolute with
             ``q_start`` / ``k_start`` and restart in every packed document.
         causal: attend only to keys at positions ``<= i``.
         scale: logit scale, default ``1 / sqrt(d)``.

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from .._compat import one_rate, warn_once
+from .kind import NO_WINDOW
 
 __all__ = ["window_tail_ratio", "window_error_bound", "smallest_window", "logit_range", "alibi_window"]
 
@@ -71,6 +72,18 @@ def _per_head(x: Number, name: str, *, integer: bool = False) -> Tensor:
     if integer and not bool((t == t.round()).all() and (t >= 0).all()):
         raise ValueError(f"{name} must be whole numbers >= 0 (positions), got {t.tolist()}")
     return t
+
+
+def _broadcast(**named: Tensor):
+    """The per-head arguments broadcast to one length: each has one value (every head) or one per head,
+    else a ValueError naming the first per-head argument and the one that disagrees."""
+    sizes = {name: t.numel() for name, t in named.items()}
+    first = next((name for name, size in sizes.items() if size > 1), None)
+    for name, size in sizes.items():
+        if size > 1 and size != sizes[first]:
+            raise ValueError(f"{first} has {sizes[first]} values but {name} has {size}: give one value (every head) "
+                             "or one per head, the same heads for every argument")
+    return torch.broadcast_tensors(*named.values())
 
 
 def _check_n(n: Optional[int]) -> Optional[int]:
@@ -114,7 +127,7 @@ def window_tail_ratio(w: Number, sigma: Optional[Number] = None, *, slopes: Opti
         n: sequence length; ``None``: the supremum over every length.
     """
     sigma = one_rate(slopes, sigma, want="sigma", where="window_tail_ratio")
-    w_t, sig = torch.broadcast_tensors(_per_head(w, "w", integer=True), _per_head(sigma, "sigma"))
+    w_t, sig = _broadcast(w=_per_head(w, "w", integer=True), sigma=_per_head(sigma, "sigma"))
     if bool((sig <= 0).any()):
         raise ValueError(f"sigma must be > 0, got {sig.tolist()}")
     return torch.exp(_log_rho(w_t, sig, bool(causal), _check_n(n)))
@@ -141,8 +154,11 @@ def window_error_bound(w: Number, sigma: Optional[Number] = None, logit_range: O
     sigma = one_rate(slopes, sigma, want="sigma", where="window_error_bound")
     if logit_range is None:
         raise TypeError("window_error_bound: pass logit_range (R, a bound on the spread of the logits)")
-    w_t, sig, R = torch.broadcast_tensors(_per_head(w, "w", integer=True), _per_head(sigma, "sigma"),
-                                          _per_head(logit_range, "logit_range"))
+    named = dict(w=_per_head(w, "w", integer=True), sigma=_per_head(sigma, "sigma"),
+                 logit_range=_per_head(logit_range, "logit_range"))
+    if value_range is not None:
+        named["value_range"] = _per_head(value_range, "value_range")
+    w_t, sig, R, *vr = _broadcast(**named)
     if bool((sig <= 0).any()):
         raise ValueError(f"sigma must be > 0, got {sig.tolist()}")
     if bool((R < 0).any()):
@@ -150,19 +166,21 @@ def window_error_bound(w: Number, sigma: Optional[Number] = None, logit_range: O
     bound = torch.sigmoid(R + _log_rho(w_t, sig, bool(causal), _check_n(n)))
     if value_range is None:
         return bound
-    vr = _per_head(value_range, "value_range")
-    if bool((vr < 0).any()):
-        raise ValueError(f"value_range must be >= 0, got {vr.tolist()}")
-    return bound * vr
+    if bool((vr[0] < 0).any()):
+        raise ValueError(f"value_range must be >= 0, got {vr[0].tolist()}")
+    return bound * vr[0]
 
 
 def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Optional[Number] = None, *,
                     slopes: Optional[Number] = None, causal: bool = True, n: Optional[int] = None,
                     value_range: Optional[Number] = None) -> Tensor:
     """The smallest window per head whose :func:`window_error_bound` is ``<= tol``: int64 ``[H]``
-    (``w - 1`` misses the tolerance, unless ``w = 0``). With ``n`` the window never exceeds
-    ``n - 1`` (which drops nothing); with ``n=None`` it holds at every length. The inverse of
-    :func:`window_error_bound` (same order: what is asked for first, then the bandwidths and the range).
+    (``w - 1`` misses the tolerance, unless ``w = 0``; past ``2^53`` the bound is evaluated at the
+    float64 nearest each window). With ``n`` the window never exceeds ``n - 1`` (which drops nothing);
+    with ``n=None`` it holds at every length, and a window past int64 (``sigma`` beyond ~1e17) is
+    :data:`~poslsh.window.kind.NO_WINDOW`, which drops nothing at any length a tensor can have. The
+    inverse of :func:`window_error_bound` (same order: what is asked for first, then the bandwidths and
+    the range).
 
     Args:
         tol: the tolerance (``> 0``; number or ``[H]``) on the dropped mass, or on ``||T* - T^w||_max``
@@ -173,8 +191,11 @@ def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Op
     sigma = one_rate(slopes, sigma, want="sigma", where="smallest_window")
     if logit_range is None:
         raise TypeError("smallest_window: pass logit_range (R, a bound on the spread of the logits)")
-    sig, tl, R = torch.broadcast_tensors(_per_head(sigma, "sigma"), _per_head(tol, "tol"),
-                                         _per_head(logit_range, "logit_range"))
+    named = dict(tol=_per_head(tol, "tol"), sigma=_per_head(sigma, "sigma"),
+                 logit_range=_per_head(logit_range, "logit_range"))
+    if value_range is not None:
+        named["value_range"] = _per_head(value_range, "value_range")
+    tl, sig, R, *vr = _broadcast(**named)
     if bool((tl <= 0).any()):
         raise ValueError(f"tol must be > 0, got {tl.tolist()}")
     if bool((sig <= 0).any()):
@@ -184,25 +205,36 @@ def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Op
     def bound(w: Tensor) -> Tensor:
         return window_error_bound(w, sig, R, causal=causal, n=n, value_range=value_range)
 
-    # closed form for n = None (rho(w) <= r solved for w), an upper end for the bisection below
-    mass_tol = tl if value_range is None else tl / _per_head(value_range, "value_range").clamp(min=1e-300)
-    r = torch.exp(-R) * mass_tol / (1.0 - mass_tol).clamp(min=1e-300)
-    q = torch.exp(-1.0 / sig)
-    need = torch.log1p(1.0 / r) if causal else torch.log(2.0 * (1.0 + r) / (r * (1.0 + q)))
-    hi = torch.clamp(torch.ceil(sig * need) + 1.0, min=0.0)
+    # Closed form for n = None (rho(w) <= r solved for w), an upper end for the bisection below; in
+    # log space, since r = e^{-R} m / (1 - m) underflows past R ~ 745 (m: the tolerance on the mass).
+    mass_tol = tl / vr[0] if vr else tl                          # value_range 0: inf (any window)
+    anything = mass_tol >= 1                                      # the bound is < 1: every window does
+    m = torch.where(anything, torch.full_like(mass_tol, 0.5), mass_tol)
+    log_r = -R + torch.log(m) - torch.log1p(-m)
+    if causal:
+        need = torch.logaddexp(torch.zeros_like(log_r), -log_r)  # log(1 + 1 / r)
+    else:                                                         # log(2 (1 + r) / (r (1 + q)))
+        need = (math.log(2.0) + torch.logaddexp(torch.zeros_like(log_r), log_r) - log_r
+                - torch.log1p(torch.exp(-1.0 / sig)))
+    hi = torch.where(anything, torch.zeros_like(need), torch.clamp(torch.ceil(sig * need) + 1.0, min=0.0))
     if n is not None:
         hi = hi.clamp(max=float(n - 1))
+    past_int64 = 2.0 ** 63
     while True:                                                   # rounding: make hi feasible
-        bad = bound(hi) > tl
+        bad = (hi < past_int64) & (bound(hi.clamp(max=past_int64)) > tl)
         if not bool(bad.any()):
             break
         hi = torch.where(bad, hi + torch.clamp(hi, min=1.0), hi)
-    lo = torch.full_like(hi, -1.0)                                # invariant: bound(lo) > tol (or lo = -1)
-    while bool((hi - lo > 1).any()):
-        mid = torch.floor((lo + hi) / 2)
-        ok = bound(mid.clamp(min=0)) <= tl
-        hi, lo = torch.where(ok & (hi - lo > 1), mid, hi), torch.where(~ok & (hi - lo > 1), mid, lo)
-    return hi.to(torch.int64)
+    beyond = hi >= past_int64                                     # NO_WINDOW: nothing dropped at any length
+    # Bisection on integers (int64: floats past 2^53 have no midpoints); invariant: bound(lo) > tol or lo = -1.
+    hi_i = torch.where(beyond, torch.zeros_like(hi), hi).to(torch.int64)
+    lo_i = torch.full_like(hi_i, -1)
+    while bool((hi_i - lo_i > 1).any()):
+        active = hi_i - lo_i > 1
+        mid = lo_i + (hi_i - lo_i) // 2
+        ok = bound(mid.clamp(min=0).to(torch.float64)) <= tl
+        hi_i, lo_i = torch.where(ok & active, mid, hi_i), torch.where(~ok & active, mid, lo_i)
+    return torch.where(beyond, torch.full_like(hi_i, NO_WINDOW), hi_i)
 
 
 def alibi_window(sigma: Number, tol: Number, logit_range: Number, **kwargs) -> Tensor:

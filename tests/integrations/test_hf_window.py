@@ -185,3 +185,22 @@ def test_context_parallel_shard_of_one_rank_equals_the_model(tmp_path):
               [float((a - b).abs().max()) for a, b in zip(outs[0][1], outs[1][1])])
     print(f"alibi-window, one-rank context-parallel vs the model: max error {err:.1e}")
     assert err < 1e-12
+
+
+def test_windows_past_int64_from_the_config_are_exact_alibi():
+    """window_sigmas = 1e300 (windows far past int64) and window_cost_samples = 10^30 (s past int64):
+    the config builds its windows (the widest window for the first: exact ALiBi, as the alibi scheme)."""
+    from poslsh.window.kind import NO_WINDOW
+    wide = hf.PositionalConfig(scheme="alibi-window", window_sigmas=1e300)
+    assert wide.alibi_window(H).window.tolist() == [NO_WINDOW] * H
+    many = hf.PositionalConfig(scheme="alibi-window", window_cost_samples=10 ** 30).alibi_window(H).window
+    assert bool((many > cost_matched_window(poslsh.alibi_sigmas(H), 10 ** 6)).all())
+    model = tiny_llama(window_sigmas=1e300)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=H, num_key_value_heads=KV, head_dim=D, attention_dropout=0.0,
+                                   max_position_embeddings=256)
+    alibi = hf.model_from_config(cfg, "alibi").to(torch.float64).eval()
+    alibi.load_state_dict(model.state_dict())
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, alibi(x).logits, rtol=1e-10, atol=1e-10)

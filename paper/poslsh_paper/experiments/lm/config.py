@@ -230,6 +230,12 @@ def check(cfg: TrainConfig, *, data: bool = True) -> None:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if not cfg.eval_multipliers or min(cfg.eval_multipliers) < 1:
         raise ConfigError(f"eval_multipliers must be positive integers, got {cfg.eval_multipliers}")
+    c, longest = parse_method(cfg.method).window_sigmas, cfg.seq_len * max(cfg.eval_multipliers)
+    if c is not None and c >= longest:
+        # ALiBi's sigma_h > 1 at every head count, so every window ceil(c sigma_h) > c covers every key
+        raise ConfigError(f"method: {cfg.method} is exact ALiBi in this run (every window ceil(c sigma_h) > c = {c:g} "
+                          f"covers the longest sequence it attends, seq_len {cfg.seq_len} x eval multiplier "
+                          f"{max(cfg.eval_multipliers)} = {longest}): use --method alibi (one method, one name)")
     if cfg.model.kind not in ("scratch", "lora"):
         raise ConfigError(f"model.kind must be 'scratch' or 'lora', got {cfg.model.kind!r}")
     choices = {"device": ("auto", "cpu", "cuda"), "amp": ("auto", "bf16", "off"), "eval_split": SPLITS}
