@@ -93,3 +93,12 @@ def positions_needed(nq: int, nk: int, where: str) -> str:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def require_values(ok: Tensor, message: str) -> None:
+    """A check on tensor values: a ValueError eagerly; inside torch.compile a runtime assert with the
+    same message (a Python ``bool`` of a traced tensor would break the graph)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)

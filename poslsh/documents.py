@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._validation import check_has_values
+from ._validation import check_has_values, require_values as _require
 
 __all__ = ["Documents", "make_documents"]
 
@@ -88,22 +88,27 @@ def make_documents(batch: int, n: int, *, cu_seqlens: Optional[Tensor] = None,
             raise ValueError(f"cu_seqlens describes one packed row (batch 1, flash-attention's convention), but "
                              f"the batch is {batch}: pass document_ids [B, n] for a batch of packed rows")
         cu = cu.cpu()
-        if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the sequence length {n}, got "
-                             f"{cu.tolist() if cu.numel() <= 12 else cu[:6].tolist() + ['...'] + cu[-3:].tolist()}")
-        first = torch.zeros(1, n, dtype=torch.bool)
-        first[0, cu[:-1][cu[:-1] < n]] = True
-        return _from_boundaries(first).to(device)
+        _require((cu[0] == 0) & (cu[-1] == n) & (cu[1:] >= cu[:-1]).all(),
+                 f"cu_seqlens must start at 0, never decrease and end at the sequence length {n}, got "
+                 + ("other offsets" if torch.compiler.is_compiling() else _shown(cu)))
+        # a document starts at every offset but the last (empty documents repeat one; an offset n starts none)
+        marks = torch.zeros(n + 1, dtype=torch.int64).index_add_(0, cu[:-1].clamp(0, n), torch.ones_like(cu[:-1]))
+        return _from_boundaries((marks[:n] > 0)[None]).to(device)
     ids = _integer(document_ids, "document_ids")
     if ids.shape != (batch, n):
         raise ValueError(f"document_ids must have shape [batch, seqlen] = [{batch}, {n}], got {tuple(ids.shape)}")
     ids = ids.to(device)
     first = torch.ones(batch, n, dtype=torch.bool, device=ids.device)
     first[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    runs = first.sum(1)
-    distinct = torch.tensor([int(torch.unique(row).numel()) for row in ids], device=ids.device)
-    if bool((runs != distinct).any()):
-        row = int(torch.nonzero(runs != distinct)[0])
-        raise ValueError(f"document_ids: row {row} has a document whose tokens are not contiguous (an id comes "
-                         "back after another one); give every packed document its own id")
+    # contiguous documents: as many runs of equal ids as distinct ids (counted on the sorted row)
+    ordered = ids.sort(1).values
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
+    scattered = first.sum(1) != distinct
+    row = "a row" if torch.compiler.is_compiling() else f"row {int(scattered.to(torch.int8).argmax())}"
+    _require(~scattered.any(), f"document_ids: {row} has a document whose tokens are not contiguous (an id comes "
+             "back after another one); give every packed document its own id")
     return _from_boundaries(first)
+
+
+def _shown(cu: Tensor) -> str:
+    return str(cu.tolist() if cu.numel() <= 12 else cu[:6].tolist() + ['...'] + cu[-3:].tolist())

@@ -120,7 +120,6 @@ def test_a_small_model_on_it_trains():
     assert losses[-1] < 0.5 * losses[0]
 
 
-@pytest.mark.xfail(strict=True, reason="fake-kernel strides (fixed separately)")
 @pytest.mark.parametrize("spec", ["exact", "sigmas"])
 def test_compiled_training_equals_eager(spec):
     """torch.compile(fullgraph=True) of forward + backward through the module's projections (q, k, v the

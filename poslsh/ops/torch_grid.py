@@ -287,7 +287,8 @@ def torch_attention_2d_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: T
 
 @torch_attention_2d_bwd.register_fake
 def _(dout, q, k, v, lse, widths, offsets, grid, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the real op returns them, whatever the inputs' strides (transposed views)
+    return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
@@ -325,8 +326,10 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, widths: Tensor, offsets: Tenso
 def _grid(call):
     """The registry's entry (``backend="torch"``, op ``"nd"``): ``call.positional`` a
     :class:`~poslsh.partitions_nd.PartitionsND` with 2 axes on q's device."""
-    parts = call.positional
-    return attention_2d(call.q, call.k, call.v, parts.widths, parts.offsets, call.grid, call.causal, call.scale), None
+    axes = call.positional.axes
+    # stacked from the axes: PartitionsND's cached properties take a lock, which torch.compile cannot trace
+    widths, offsets = (torch.stack([getattr(a, name) for a in axes], -1) for name in ("widths", "offsets"))
+    return attention_2d(call.q, call.k, call.v, widths, offsets, call.grid, call.causal, call.scale), None
 
 
 register_backend("torch", _grid, op="nd")

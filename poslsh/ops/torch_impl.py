@@ -44,9 +44,10 @@ from ..partitions import Partitions
 from ..threads import intra_op_threads
 from .registry import register_backend
 # row_bounds, plan_tiles, choose_tiles: also used by benchmarks/bench_gpu.py.
+from . import torch_band
 from .torch_kernels import backward, few_queries_forward, forward
-from .torch_plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, window_block_widths, \
-    window_row_bounds
+from .torch_plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, \
+    window_block_widths, window_row_bounds
 from .torch_tiles import TileGroup, choose_tiles, plan_tiles  # noqa: F401
 
 # Query rows per head up to which one dense pass over each head's key range beats the tile
@@ -119,11 +120,19 @@ def _unpack(parts: List[Tensor], order: List[Optional[Tensor]]) -> Tensor:
     return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
 
 
+def _band(kind: str, doc_start: Optional[Tensor], n: int) -> bool:
+    """The window op's band kernels serve this call (no packed documents; more than a few queries)."""
+    return kind == "window" and doc_start is None and n > FEW_QUERIES
+
+
 def run_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
                 doc_end: Optional[Tensor], causal: bool, scale: float, need_lse: bool, positions: List[int],
                 few: bool = True) -> Tuple[Tensor, Tensor]:
-    """``out [B, Hq, n, dv]`` and ``lse [B, Hq, n]`` of either op (``few``: allow the few-queries path)."""
+    """``out [B, Hq, n, dv]`` and ``lse [B, Hq, n]`` of either op (``few``: allow the few-queries path and
+    the band kernels; the tiles alone can be traced by autograd, for double backward)."""
     span = _span(q, k, positions)
+    if few and _band(kind, doc_start, span.n_q):
+        return torch_band.forward(q, k, v, a, b, _shape(q, k, v), scale, causal, span.delta, need_lse)
     outs, lses, order = [], [], []
     for rows, layout in _packings(doc_start, doc_end):
         qs, ks, vs = (_rows(x, rows) for x in (q, k, v))
@@ -143,6 +152,8 @@ def run_backward(kind: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
                  scale: float, positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of either op, by tile-wise recomputation (shapes and dtypes of ``q, k, v``)."""
     span = _span(q, k, positions)
+    if _band(kind, doc_start, span.n_q):
+        return torch_band.backward(dout, q, k, v, dlse, a, b, _shape(q, k, v), scale, causal, span.delta)
     grads, order = [], []
     for rows, layout in _packings(doc_start, doc_end):
         qs, ks, vs, dos, ls, dls = (_rows(x, rows) for x in (q, k, v, dout, lse, dlse))
@@ -193,7 +204,8 @@ def _define_ops(kind: str, fwd_name: str, bwd_name: str):
 
     @bwd.register_fake
     def _(dout, q, k, v, lse, dlse, a, b, doc_start, doc_end, causal, scale, positions):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # contiguous, as the real op returns them, whatever the inputs' strides (transposed views)
+        return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
     def setup_context(ctx, inputs, output):
         q, k, v, a, b, doc_start, doc_end, causal, scale, _, positions = inputs

@@ -2,11 +2,12 @@
 (shared with the 2-D op, :mod:`.torch_grid`) and the few-queries forward (decoding steps).
 
 Every chunk is a batched matmul ``[B, U, T, d] x [B, U, d, R]`` plus the chunk's bias (see
-:func:`~.torch_tiles.iter_chunks`); a query row's whole key range lies in its one tile, so the
+:class:`~.torch_tiles.ChunkMaker`); a query row's whole key range lies in its one tile, so the
 softmax of a row is complete inside one chunk and every output row is written once.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -15,7 +16,8 @@ from torch import Tensor
 
 from .._validation import AttnShape, compute_dtype
 from .torch_plan import RowBounds
-from .torch_tiles import TileGroup, iter_chunks
+from .torch_tiles import ChunkMaker, TileGroup
+from .torch_workers import run_items
 
 __all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", "few_queries_forward"]
 
@@ -47,22 +49,38 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
             scale: float, need_lse: bool = True, slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``out [B, Hq, n, dv]`` (in ``q.dtype``) and ``lse [B, Hq, n]`` (float32/64, the log-sum-exp
     of the biased scores; left uninitialised when ``need_lse`` is False). ``slopes``: see
-    :func:`~.torch_tiles.iter_chunks`."""
+    :class:`~.torch_tiles.ChunkMaker`. Traceable by autograd when the inputs require grad (double
+    backward); otherwise the chunks run on threads (:func:`~.torch_workers.run_items`)."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)   # + sink row
     lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, bounds, shape, ct, slopes):
+    maker = ChunkMaker(groups, bounds, shape, ct, slopes)
+    traced = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    writes = threading.Lock()                # several chunks write the sink row
+
+    def run(spec):
+        c = maker.make(spec)
         Qg = gather_rows(qf, c.rows, c.units, c.tile)
         Kg = gather_rows(kf, c.kv_rows, c.units, c.width)
         Vg = gather_rows(vf, c.kv_rows, c.units, c.width)
         s = _biased_scores(Qg, Kg, c.bias, scale)
         # Each query sees itself (its own block, or |i - i| = 0 in the window): no row is all -inf.
-        if need_lse:
-            lse.index_copy_(1, c.out_rows, torch.logsumexp(s, -1).reshape(B, -1))
-        o = torch.matmul(torch.softmax(s, -1), Vg)
-        out.index_copy_(1, c.out_rows, o.reshape(B, -1, shape.v_dim))
+        p = torch.softmax(s, -1)
+        # lse = m + log sum e^{s - m} = m - log max p (max p = 1 / sum e^{s - m}): no second exp pass
+        row_lse = (s.amax(-1) - p.amax(-1).log()).reshape(B, -1) if need_lse else None
+        o = torch.matmul(p, Vg).reshape(B, -1, shape.v_dim)
+        with writes:
+            if need_lse:
+                lse.index_copy_(1, c.out_rows, row_lse)
+            out.index_copy_(1, c.out_rows, o)
+
+    if traced:
+        for spec in maker.specs:
+            run(spec)
+    else:
+        run_items(maker.specs, run, cost=maker.cost)
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
@@ -70,7 +88,8 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
                    shape: AttnShape, scale: float, probabilities: Callable,
                    dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2's backward over ``chunks`` (anything with ``rows, out_rows, kv_rows,
-    units, tile, width``), shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
+    units, tile, width``, or a :class:`~.torch_tiles.ChunkMaker`, whose chunks run on threads),
+    shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
     lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved ``lse [B, Hq, n]``.
     ``dlse [B, Hq, n]`` (optional): the gradient reaching the log-sum-exp, which adds
     ``P_ij dlse_i`` to ``ds_ij`` (``d lse_i / d s_ij = P_ij``).
@@ -95,7 +114,9 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
     dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
     tiny = torch.finfo(ct).tiny
-    for c in chunks:
+    adds = threading.Lock()                  # chunks add into shared key rows (and the sink row)
+
+    def run(c):
         U, T, R = c.units, c.tile, c.width
         Qg = gather_rows(qf, c.rows, U, T)
         Kg = gather_rows(kf, c.kv_rows, U, R)
@@ -103,14 +124,24 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
         dOg = gather_rows(dof, c.out_rows, U, T)
         p = probabilities(Qg, Kg, c, lse_f.index_select(1, c.out_rows).view(B, U, T, 1))
         p = p.div_(p.sum(-1, keepdim=True).clamp_min_(tiny))         # sink rows: 0 / tiny = 0
-        dv.index_add_(1, c.kv_rows, torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1))
+        gv = torch.matmul(p.transpose(-1, -2), dOg).reshape(B, U * R, -1)
         dp = torch.matmul(dOg, Vg.transpose(-1, -2))
         shift = (p * dp).sum(-1, keepdim=True)                        # delta_i
         if dlse_f is not None:
             shift = shift.sub_(dlse_f.index_select(1, c.out_rows).view(B, U, T, 1))
         ds = dp.sub_(shift).mul_(p)
-        dq.index_add_(1, c.out_rows, torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1))
-        dk.index_add_(1, c.kv_rows, torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1))
+        gq = torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1)
+        gk = torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1)
+        with adds:
+            dv.index_add_(1, c.kv_rows, gv)
+            dq.index_add_(1, c.out_rows, gq)
+            dk.index_add_(1, c.kv_rows, gk)
+
+    if hasattr(chunks, "specs"):             # a maker: its chunks are built and run on threads
+        run_items(chunks.specs, lambda spec: run(chunks.make(spec)), cost=chunks.cost)
+    else:
+        for c in chunks:
+            run(c)
     return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
@@ -122,7 +153,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups:
     def probabilities(Qg, Kg, c, lse_g):
         return torch.exp_(_biased_scores(Qg, Kg, c.bias, scale).sub_(lse_g))
 
-    chunks = iter_chunks(groups, bounds, shape, compute_dtype(q.dtype), slopes)
+    chunks = ChunkMaker(groups, bounds, shape, compute_dtype(q.dtype), slopes)
     return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities, dlse)
 
 

@@ -6,6 +6,7 @@ additive bias: ``log count`` (built by difference arrays) plus, for the window o
 from __future__ import annotations
 
 import math
+import threading
 from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -15,7 +16,8 @@ from torch import Tensor
 from .._validation import AttnShape
 from .torch_plan import RowBounds
 
-__all__ = ["CHUNK_ELEMENTS", "TileGroup", "Chunk", "choose_tiles", "plan_tiles", "iter_chunks", "score_elements"]
+__all__ = ["CHUNK_ELEMENTS", "TileGroup", "Chunk", "choose_tiles", "plan_tiles", "ChunkMaker", "iter_chunks",
+           "score_elements"]
 
 # Score elements (batch x tiles x T x R) per chunk: bounds transient memory (a few
 # such buffers live at once, ~16 MiB each in float32) while keeping the batched matmuls
@@ -169,56 +171,78 @@ def _window_bias(q_rel: Tensor, lo: Tensor, hi: Tensor, head: Tensor, neg_slopes
     return bias
 
 
+class ChunkMaker:
+    """The plan's chunks, built one at a time from any thread: ``specs`` lists them (a group and
+    its first tile; cost ``units x tile x width``), ``make(spec)`` builds one :class:`Chunk` with its
+    bias: ``log count_ij`` (the samples in which query ``i`` and key ``j`` share a block; ``-inf``
+    for none, and after the query when causal), plus ``-slopes[h] |i - j|`` when ``slopes`` (``[H]``,
+    the window op: one sample, so the count is 0 or 1 and the bias is exact ALiBi inside the
+    window). The one definition of a chunk's bias."""
+
+    def __init__(self, groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct,
+                 slopes: Optional[Tensor] = None):
+        H, n, s = bounds.start.shape
+        self.shape, self.ct, self.bounds = shape, ct, bounds
+        # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
+        self.start_rows, self.end_rows = bounds.start.view(H * n, s), bounds.end.view(H * n, s)
+        dev = bounds.start.device
+        self.log_table = torch.arange(s + 1, dtype=ct, device=dev).log()   # log 0 = -inf
+        self.neg_slopes = None if slopes is None else -slopes.to(device=dev, dtype=ct)
+        # the window op: the half-width of each head's widest row, the window of its unclipped rows
+        self.half = None if slopes is None else ((bounds.end - bounds.start).amax(dim=(1, 2)) - 1) // 2
+        self.specs = [(g, lo, min(_units_per_chunk(g, shape.batch), g.head.numel() - lo))
+                      for g in groups for lo in range(0, g.head.numel(), _units_per_chunk(g, shape.batch))]
+        self._cap = max((u * g.tile * (g.width + 1) for g, _, u in self.specs), default=0)
+        self._buffers = threading.local()
+
+    @staticmethod
+    def cost(spec) -> int:
+        g, _, units = spec
+        return units * g.tile * g.width
+
+    def _difference_buffers(self, dev) -> Tuple[Tensor, Tensor]:
+        """This thread's buffers, reused by its chunks (fresh large allocations cost page faults each
+        time). The difference buffer is zero between chunks: each chunk's scatters are undone after
+        use, O(s) per row instead of re-zeroing O(R) per row."""
+        b = self._buffers
+        if getattr(b, "diff", None) is None:
+            b.diff = torch.zeros(self._cap, dtype=torch.int64, device=dev)
+            b.count = torch.empty(self._cap, dtype=torch.int64, device=dev)
+        return b.diff, b.count
+
+    def make(self, spec) -> Chunk:
+        g, lo, U = spec
+        shape, ct, bounds = self.shape, self.ct, self.bounds
+        n, nk, Hq, group = shape.seqlen, shape.kv_len, shape.q_heads, shape.group
+        s, causal, delta = bounds.start.shape[2], bounds.causal, bounds.delta
+        T, R = g.tile, g.width
+        dev = bounds.start.device
+        head, q0, k0, q1 = (x[lo:lo + U] for x in (g.head, g.q0, g.k0, g.q1))
+        raw = q0[:, None] + torch.arange(T, device=dev)                  # [U, T] query rows
+        # rows past a tile's end repeat its last row (same document, keys in range) and
+        # write to the sink row
+        pos = torch.minimum(raw, q1[:, None] - 1)
+        rows = head[:, None] * n + pos
+        out_rows = torch.where(raw < q1[:, None], rows, torch.full_like(rows, Hq * n)).reshape(-1)
+        rows = rows.reshape(-1)
+        keys = k0[:, None] + torch.arange(R, device=dev)                 # [U, R] key rows (may pass n_k)
+        kv_rows = ((head // group)[:, None] * nk + keys.clamp(max=nk - 1)).reshape(-1)
+        start_r = self.start_rows.index_select(0, rows).view(U, T, s)
+        end_r = self.end_rows.index_select(0, rows).view(U, T, s)
+        if self.neg_slopes is not None:
+            bias = _window_bias(pos + delta - k0[:, None], start_r.view(U, T) - k0[:, None],
+                                end_r.view(U, T) - k0[:, None], head, self.neg_slopes, self.half, R, ct)
+        else:
+            bias = _log_counts(start_r, end_r, k0, keys, *self._difference_buffers(dev), self.log_table, U, T, R, s)
+        if causal:  # keys after the query: only columns from the earliest tile start on
+            c0 = max(0, int((q0 + delta - k0).min()))
+            later = keys[:, None, c0:] > (pos + delta)[:, :, None]
+            bias[:, :, c0:].masked_fill_(later, float("-inf"))
+        return Chunk(rows, out_rows, kv_rows, bias, U, T, R)
+
+
 def iter_chunks(groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct,
                 slopes: Optional[Tensor] = None) -> Iterator[Chunk]:
-    """The plan's chunks with their bias: ``log count_ij`` (the samples in which query ``i`` and
-    key ``j`` share a block; ``-inf`` for none, and after the query when causal), plus
-    ``-slopes[h] |i - j|`` when ``slopes`` (``[H]``, the window op: one sample, so the count is
-    0 or 1 and the bias is exact ALiBi inside the window). The one definition of a chunk's bias."""
-    n, nk, Hq, group = shape.seqlen, shape.kv_len, shape.q_heads, shape.group
-    H, _, s = bounds.start.shape
-    causal, delta = bounds.causal, bounds.delta
-    # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
-    start_rows = bounds.start.view(H * n, s)
-    end_rows = bounds.end.view(H * n, s)
-    dev = start_rows.device
-    log_table = torch.arange(s + 1, dtype=ct, device=dev).log()   # log 0 = -inf
-    neg_slopes = None if slopes is None else -slopes.to(device=dev, dtype=ct)
-    # the window op: the half-width of each head's widest row, the window of its unclipped rows
-    half = None if slopes is None else ((bounds.end - bounds.start).amax(dim=(1, 2)) - 1) // 2
-    # Buffers reused by every chunk (fresh large allocations cost page faults each
-    # time). The difference buffer is zero between chunks: each chunk's scatters are
-    # undone after use, O(s) per row instead of re-zeroing O(R) per row.
-    diff_buf = count_buf = None
-    if neg_slopes is None:
-        cap = max(min(_units_per_chunk(g, shape.batch), g.head.numel()) * g.tile * (g.width + 1) for g in groups)
-        diff_buf = torch.zeros(cap, dtype=torch.int64, device=dev)
-        count_buf = torch.empty(cap, dtype=torch.int64, device=dev)
-    for g in groups:
-        T, R = g.tile, g.width
-        per_chunk = _units_per_chunk(g, shape.batch)
-        ar_t, ar_r = torch.arange(T, device=dev), torch.arange(R, device=dev)
-        for lo in range(0, g.head.numel(), per_chunk):
-            head, q0, k0, q1 = (x[lo:lo + per_chunk] for x in (g.head, g.q0, g.k0, g.q1))
-            U = head.numel()
-            raw = q0[:, None] + ar_t                                   # [U, T] query rows
-            # rows past a tile's end repeat its last row (same document, keys in range) and
-            # write to the sink row
-            pos = torch.minimum(raw, q1[:, None] - 1)
-            rows = head[:, None] * n + pos
-            out_rows = torch.where(raw < q1[:, None], rows, torch.full_like(rows, Hq * n)).reshape(-1)
-            rows = rows.reshape(-1)
-            keys = k0[:, None] + ar_r                                  # [U, R] key rows (may pass n_k)
-            kv_rows = ((head // group)[:, None] * nk + keys.clamp(max=nk - 1)).reshape(-1)
-            start_r = start_rows.index_select(0, rows).view(U, T, s)
-            end_r = end_rows.index_select(0, rows).view(U, T, s)
-            if neg_slopes is not None:
-                bias = _window_bias(pos + delta - k0[:, None], start_r.view(U, T) - k0[:, None],
-                                    end_r.view(U, T) - k0[:, None], head, neg_slopes, half, R, ct)
-            else:
-                bias = _log_counts(start_r, end_r, k0, keys, diff_buf, count_buf, log_table, U, T, R, s)
-            if causal:  # keys after the query: only columns from the earliest tile start on
-                c0 = max(0, int((q0 + delta - k0).min()))
-                later = keys[:, None, c0:] > (pos + delta)[:, :, None]
-                bias[:, :, c0:].masked_fill_(later, float("-inf"))
-            yield Chunk(rows, out_rows, kv_rows, bias, U, T, R)
+    """The plan's chunks in order (:class:`ChunkMaker`)."""
+    maker = ChunkMaker(groups, bounds, shape, ct, slopes)
+    return (maker.make(spec) for spec in maker.specs)

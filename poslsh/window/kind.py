@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .._compat import one_rate
-from .._validation import check_has_values
+from .._validation import check_has_values, require_values as _require
 from ..alibi import as_per_head
 from ..positional import Positional
 
@@ -97,15 +97,6 @@ class AlibiWindow(Positional):
 
     def __hash__(self) -> int:
         return hash((self.op, self.num_heads))
-
-
-def _require(ok: Tensor, message: str) -> None:
-    """A check on tensor values: a ValueError eagerly; inside torch.compile a runtime assert with the
-    same message (a Python ``bool`` of a traced tensor would break the graph)."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(ok, message)
-    elif not bool(ok):
-        raise ValueError(message)
 
 
 _PAST_INT64 = 2.0 ** 63

@@ -163,3 +163,38 @@ def test_documents_are_for_self_attention():
     with pytest.raises(ValueError, match="packed documents are for self-attention"):
         poslsh.poslsh_attention(q, k, v, PARTS, causal=True, q_start=3, cu_seqlens=torch.tensor([0, 4, 10]),
                                 backend="torch")
+
+
+def test_documents_checked_eagerly_with_their_values():
+    q, k, v = make_qkv(2, 4, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"document_ids: row 1 has a document whose tokens are not contiguous"):
+        poslsh.poslsh_attention(q, k, v, PARTS, document_ids=torch.tensor([[0, 0, 1, 1, 2, 2], [0, 1, 0, 2, 2, 2]]))
+    with pytest.raises(ValueError, match=r"never decrease .* got \[0, 4, 2, 6\]"):
+        poslsh.poslsh_attention(q[:1], k[:1], v[:1], PARTS, cu_seqlens=torch.tensor([0, 4, 2, 6]))
+    # empty documents (repeated offsets, also at the end) start nothing
+    a = make_documents(1, 6, cu_seqlens=torch.tensor([0, 0, 2, 2, 6, 6]))
+    assert a.start.tolist() == [[0, 0, 2, 2, 2, 2]] and a.end.tolist() == [[2, 2, 6, 6, 6, 6]]
+
+
+@pytest.mark.parametrize("name", ["sequence", "window"])
+def test_documents_under_fullgraph_compile(name):
+    """torch.compile(fullgraph=True) with cu_seqlens and document_ids: the checks on their values are
+    runtime asserts with the same messages (no data-dependent guard), the result the eager one."""
+    fast, _ = _op(name)
+    poslsh.available_backends()
+    q, k, v = make_qkv(2, 4, 2, 97, 8)
+    ids = torch.stack([_ids(x) for x in LENGTHS])
+    cu = torch.tensor([0, 1, 6, 7, 47, 48, 97])
+    torch._dynamo.reset()
+    run = torch.compile(lambda q, k, v, kw: fast(q, k, v, causal=True, **kw), fullgraph=True, backend="aot_eager")
+    assert _max_err([run(q, k, v, dict(document_ids=ids))], [fast(q, k, v, causal=True, document_ids=ids)]) == 0
+    assert _max_err([run(q[:1], k[:1], v[:1], dict(cu_seqlens=cu))],
+                    [fast(q[:1], k[:1], v[:1], causal=True, cu_seqlens=cu)]) == 0
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, never decrease and end at the sequence"):
+        run(q[:1], k[:1], v[:1], dict(cu_seqlens=torch.tensor([0, 1, 6, 5, 47, 48, 97])))
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+        run(q[:1], k[:1], v[:1], dict(cu_seqlens=torch.tensor([0, 1, 6, 7, 47, 48, 96])))
+    bad = ids.clone()
+    bad[1, -1] = 0
+    with pytest.raises(RuntimeError, match="document_ids: a row has a document whose tokens are not contiguous"):
+        run(q, k, v, dict(document_ids=bad))

@@ -207,11 +207,16 @@ def test_cpu_backward_is_refused_in_one_line():
 
 
 def test_plan_is_cached_per_partitions_and_rebuilt_after_a_change():
+    """Plans are cached per partitions; on CPU the call is compiled once per shape: new partitions
+    of the same shape (a new plan) reuse the compiled kernels."""
+    from torch._dynamo.utils import counters
+
     flex.CACHE.clear()
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)
-    q, k, v = make_qkv(1, 2, 2, 40, 16, dtype=torch.float32)
+    q, k, v = make_qkv(1, 2, 2, 200, 16, dtype=torch.float32)      # > 128 queries: compiled on CPU
     a = poslsh.poslsh_attention(q, k, v, parts, backend="flex")
     assert len(flex.CACHE._plans) == 1
+    compiled = counters["stats"]["unique_graphs"]
     b = poslsh.poslsh_attention(q, k, v, parts, backend="flex")
     poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=4, backend="flex")
     poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=4, backend="flex")
@@ -220,6 +225,10 @@ def test_plan_is_cached_per_partitions_and_rebuilt_after_a_change():
     c = poslsh.poslsh_attention(q, k, v, parts, backend="flex")
     assert len(flex.CACHE._plans) == 3 and not torch.equal(a, c)
     assert _err(c, poslsh.poslsh_attention_reference(q.double(), k.double(), v.double(), parts)) < TOL
+    other = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=5)
+    poslsh.poslsh_attention(q, k, v, other, backend="flex")
+    # one more graph: the window op's (its first call above); none for new partitions
+    assert counters["stats"]["unique_graphs"] == compiled + 1
     flex.CACHE.clear()
 
 

@@ -247,3 +247,49 @@ def test_single_thread_when_the_cpu_is_oversubscribed(monkeypatch):
 def torch_impl_threads(n):
     from poslsh.threads import intra_op_threads
     return intra_op_threads(n)
+
+
+@pytest.mark.parametrize("op", ["sequence", "window-documents"])
+def test_threads_share_the_chunks(op, monkeypatch):
+    """With 3 threads the chunks of the tile plan (positional LSH; the window op with packed
+    documents) run concurrently, writes and gradient adds under a lock: the same result as one
+    thread and as the oracle, forward, lse and gradients; small chunks so that many run at once."""
+    import threading
+
+    from poslsh.ops import torch_impl, torch_kernels, torch_tiles
+    from poslsh.threads import intra_op_threads
+
+    monkeypatch.setattr(torch_tiles, "CHUNK_ELEMENTS", 1 << 10)
+    monkeypatch.setattr(torch_impl, "SINGLE_THREAD_WHEN_BUSY", False)     # the machine's load must not matter
+    threads = set()
+    run_items = torch_kernels.run_items
+
+    def recording(items, run, cost):
+        threads.add(torch.get_num_threads())
+        return run_items(items, lambda it: (threads.add(threading.current_thread().name), run(it)), cost)
+
+    monkeypatch.setattr(torch_kernels, "run_items", recording)
+    q, k, v = make_qkv(2, 4, 2, 300, 8, seed=3, requires_grad=True)
+    g = torch.randn(2, 4, 300, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    P = alibi_partitions(4, 5, seed=2, stretch=4.0)
+    ids = torch.zeros(2, 300, dtype=torch.int64)
+    ids[0, 100:], ids[1, 7:], ids[1, 250:] = 1, 1, 2
+    slopes, window = poslsh.alibi_slopes(4), torch.tensor([0, 3, 30, 299])
+
+    def run(backend):
+        if op == "sequence":
+            fn = poslsh.poslsh_attention if backend else poslsh.poslsh_attention_reference
+            out, lse = fn(q, k, v, P, causal=True, return_lse=True, **({"backend": backend} if backend else {}))
+        else:
+            fn = poslsh.windowed_alibi_attention if backend else poslsh.alibi_attention
+            out, lse = fn(q, k, v, slopes, window=window, document_ids=ids, return_lse=True,
+                          **({"backend": backend} if backend else {}))
+        return [out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))]
+
+    one = run("torch")
+    with intra_op_threads(3):
+        three = run("torch")
+    want = run(None)
+    err = lambda xs, ys: max(float((a - b).abs().max()) for a, b in zip(xs, ys))  # noqa: E731
+    assert 3 in threads and len(threads - {1, 3}) > 1          # several threads ran chunks
+    assert err(three, one) < 1e-13 and err(three, want) < 1e-10

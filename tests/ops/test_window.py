@@ -1,6 +1,8 @@
 """windowed_alibi_attention on the torch backend against the dense float64 windowed ALiBi oracle
 (poslsh.alibi_attention(window=...)): forward and gradients, GQA, causal and not, queries and keys
 at given positions, per-head windows from 0 to past the sequence, and an O(n w) cost."""
+import threading
+
 import pytest
 import torch
 
@@ -139,3 +141,73 @@ def test_registered_features():
     assert torch_backend.features["sequence"] == frozenset({"spans", "documents", "lse"})
     q, _, _ = make_qkv(1, 2, 2, 4, 8)
     assert registry.resolve("auto", "window", q, {"spans", "documents", "lse"}).name == "torch"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_threads_share_the_chunks(causal, monkeypatch):
+    """With 3 threads the band kernels' chunks run concurrently (key gradients added under locks):
+    the same result as one thread and as the oracle; small chunks so that many run at once."""
+    from poslsh.ops import torch_band
+    from poslsh.threads import intra_op_threads
+
+    monkeypatch.setattr(torch_band, "CHUNK_ELEMENTS", 1 << 10)
+    monkeypatch.setattr(torch_impl, "SINGLE_THREAD_WHEN_BUSY", False)      # the machine's load must not matter
+    threads = set()
+    run_items = torch_band.run_items
+
+    def recording(items, run, cost):
+        threads.add(torch.get_num_threads())
+        return run_items(items, lambda it: (threads.add(threading.current_thread().name), run(it)), cost)
+
+    monkeypatch.setattr(torch_band, "run_items", recording)
+    q, k, v = make_qkv(2, 8, 2, 300, 8, seed=3, requires_grad=True)
+    window = torch.tensor([0, 3, 30, 64, 5, 9, 17, 299])
+    g = torch.randn(2, 8, 300, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        out, lse = fn(q, k, v, SLOPES, window=window, causal=causal, return_lse=True)
+        return [out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))]
+
+    one = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
+    with intra_op_threads(3):
+        three = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
+    want = run(poslsh.alibi_attention)
+    assert 3 in threads and len(threads - {1, 3}) > 1          # several threads ran chunks
+    assert _max_err(three, one) < 1e-13 and _max_err(three, want) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_transposed_views_give_the_contiguous_result(causal):
+    """q, k, v as the ``[B, n, H, d] -> transpose(1, 2)`` views models pass (the band kernels read
+    them in place): bitwise the result of contiguous copies, forward and gradients."""
+    window = torch.tensor([0, 3, 30, 64, 5, 9, 17, 200])
+    g = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(2, 300, h, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (8, 2, 2)]
+    dout = torch.randn(2, 8, 300, 8, dtype=torch.float64, generator=g)
+
+    def run(views):
+        xs = [x.transpose(1, 2) if views else x.transpose(1, 2).contiguous() for x in leaves]
+        out = poslsh.windowed_alibi_attention(*xs, SLOPES, window=window, causal=causal, backend="torch")
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    assert not leaves[0].transpose(1, 2).is_contiguous()
+    assert _max_err(run(True), run(False)) == 0
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_tile_size_equals_the_oracle(tile, causal, monkeypatch):
+    """The band kernels with every tile height the rules can choose (forward and backward), windows
+    from 0 to past the sequence: out, lse and gradients equal the dense float64 oracle."""
+    from poslsh.ops import torch_band
+
+    monkeypatch.setattr(torch_band, "FORWARD_TILES", ((float("inf"), tile),))
+    monkeypatch.setattr(torch_band, "BACKWARD_TILES", ((float("inf"), tile),))
+    q, k, v = make_qkv(2, 8, 2, 301, 8, seed=tile, dv=6, requires_grad=True)
+    window = torch.tensor([0, 3, 30, 64, 129, 200, 300, 999])
+    g = torch.randn(2, 8, 301, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn, kw in ((poslsh.windowed_alibi_attention, {"backend": "torch"}), (poslsh.alibi_attention, {})):
+        out, lse = fn(q, k, v, SLOPES, window=window, causal=causal, return_lse=True, **kw)
+        results.append([out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))])
+    assert _max_err(*results) < 1e-10
