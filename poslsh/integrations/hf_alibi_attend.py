@@ -3,14 +3,14 @@ group of rows, the key/value step, and exact dropout.
 
 * :class:`RowMask` is what the registered mask builder (:func:`row_mask_builder`) returns in place of
   transformers' ``n x n`` mask: the 2-D padding mask (``[B, nk]``, or None), the packed documents of the
-  call (``[B, n]`` ids, or None) and the sizes. Each row's real tokens must be one contiguous run
-  (left and/or right padding); a row with a gap inside is refused in one line (BLOOM and Falcon count
-  positions by the mask's cumulative sum, MPT by index: for a contiguous run both are the distance
-  from the run's first token, so every family gets its own positions).
+  call (``[B, n]`` ids, or None) and the sizes. BLOOM and Falcon count positions by the mask's
+  cumulative sum, MPT by index; for a row whose real tokens are one contiguous run (left and/or right
+  padding) both are the distance from the run's first token. A row with a gap inside takes the exact
+  dense path per query chunk at its family's positions (``O(nq nk)``: cheap for a decoding step).
 * :func:`attend_rows`: the queries ``[nk - nq, nk)`` of each row attend causally to the keys of its run
   at their own positions (``q_start``, ``k_start``), one :func:`poslsh.attend` call per group of rows
   with equal offsets (one call for an unpadded batch), zeros at padded queries. In training with
-  attention dropout ``p > 0`` the same rows go through :func:`dropout_attention` (exact, dense per
+  attention dropout ``p > 0`` the same rows go through :func:`chunked_attention` (exact, dense per
   query chunk, recomputed in the backward).
 * :func:`update_kv`: the one place a layer's new keys and values meet its cache (a bounded cache
   plugs in here: it returns the keys it holds and the padded position of the first).
@@ -27,8 +27,8 @@ from ..attention import attend
 from ..decoding import span_backend
 from ..positional import Positional
 
-__all__ = ["RowMask", "row_mask_builder", "row_runs", "update_kv", "attend_rows", "dropout_attention",
-           "PACKED"]
+__all__ = ["RowMask", "row_mask_builder", "row_runs", "row_positions", "update_kv", "attend_rows",
+           "chunked_attention", "PACKED"]
 
 CHUNK = 256                      # query rows per chunk of the exact dropout path
 
@@ -80,9 +80,9 @@ def row_mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     return RowMask(valid, documents, int(q_length), int(kv_length))
 
 
-def row_runs(valid: Optional[Tensor], B: int, nk: int) -> List[Tuple[int, int]]:
-    """Each row's run of real tokens ``[start, end)`` (``(0, 0)``: none) from ``valid [B, nk]``; a row whose
-    real tokens are not one contiguous run raises."""
+def row_runs(valid: Optional[Tensor], B: int, nk: int) -> List[Optional[Tuple[int, int]]]:
+    """Each row's run of real tokens ``[start, end)`` (``(0, 0)``: none) from ``valid [B, nk]``; None for a
+    row whose real tokens are not one contiguous run (a gap)."""
     if valid is None:
         return [(0, nk)] * B
     if valid.shape != (B, nk):
@@ -91,11 +91,18 @@ def row_runs(valid: Optional[Tensor], B: int, nk: int) -> List[Tuple[int, int]]:
     count = valid.sum(1)
     start = torch.where(valid, idx, nk).amin(1)
     end = torch.where(valid, idx + 1, 0).amax(1)
-    gaps = (count > 0) & (end - start != count)
-    if bool(gaps.any()):
-        raise ValueError(f"attention_mask: row {int(gaps.nonzero()[0])} has a gap between real tokens; a patched "
-                         "ALiBi model takes left and/or right padding (one run of real tokens per row)")
-    return [(s, e) if c else (0, 0) for s, e, c in zip(start.tolist(), end.tolist(), count.tolist())]
+    gaps = ((count > 0) & (end - start != count)).tolist()
+    return [None if g else ((s, e) if c else (0, 0))
+            for s, e, c, g in zip(start.tolist(), end.tolist(), count.tolist(), gaps)]
+
+
+def row_positions(valid: Tensor, rule: str) -> Tensor:
+    """Positions of one row's tokens ``[nk]`` (int64) from its mask ``valid [nk]``: ``"cumsum"`` (BLOOM, Falcon:
+    real tokens counted, a gap skipped) or ``"index"`` (MPT: the index, from the first real token)."""
+    if rule == "cumsum":
+        return valid.to(torch.int64).cumsum(0) - 1
+    first = int(valid.to(torch.int8).argmax()) if bool(valid.any()) else 0
+    return torch.arange(valid.numel(), device=valid.device) - first
 
 
 def update_kv(cache, key: Tensor, value: Tensor, layer_idx: int) -> Tuple[Tensor, Tensor, int]:
@@ -109,12 +116,14 @@ def update_kv(cache, key: Tensor, value: Tensor, layer_idx: int) -> Tuple[Tensor
 
 def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Positional, *, scale: float,
                 backend: str, k_first: int = 0, dropout: float = 0.0,
-                key_bias: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+                key_bias: Optional[Callable[[Tensor], Tensor]] = None, rule: str = "cumsum") -> Tensor:
     """Causal ALiBi-family attention of ``query [B, Hq, nq, d]`` (padded positions ``[nk' - nq, nk')``,
     ``nk' = k_first + nk``) to ``key/value [B, Hkv, nk, d]`` (padded ``[k_first, nk')``) with the layer's
     ``positional`` object, each row at the positions of its run of real tokens (``mask``: a
     :class:`RowMask` or None). ``key_bias(positions) -> [Hq, m]``: a per-key logit term added on top of
-    the positional bias (Falcon's bfloat16-rounded bias). Returns ``[B, Hq, nq, dv]``, 0 at padding."""
+    the positional bias (Falcon's bfloat16-rounded bias). A row with a gap in its mask takes the exact
+    dense path per query chunk at the family's positions (``rule``, :func:`row_positions`).
+    Returns ``[B, Hq, nq, dv]``, 0 at padding."""
     B, Hq, nq, _ = query.shape
     nk = key.shape[2]
     total = k_first + nk
@@ -128,7 +137,13 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
         valid = valid[:, :total]
     runs = row_runs(valid, B, total)
     groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for b, (s, e) in enumerate(runs):
+    gapped = [b for b, r in enumerate(runs) if r is None]
+    if gapped and documents is not None:
+        raise ValueError("attention_mask with a gap and packed documents: describe the batch by one of them")
+    for b, run_b in enumerate(runs):
+        if run_b is None:
+            continue
+        s, e = run_b
         i0, i1 = max(s, total - nq) - (total - nq), e - (total - nq)
         if i1 > i0:
             groups.setdefault((i0, i1, s, e), []).append(b)
@@ -143,7 +158,8 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
             if documents is not None:
                 raise ValueError("attention dropout with packed documents: train packed batches with dropout 0, "
                                  "or unpacked rows")
-            return dropout_attention(q, k, v, positional, scale=scale, q_start=qs, k_start=ks, p=dropout)
+            qp, kp = torch.arange(qs, qs + q.shape[2]), torch.arange(ks, ks + k.shape[2])
+            return chunked_attention(q, k, v, positional, scale, qp, kp, qp, kp, None, dropout)
         if qs == 0 and ks == 0 and q.shape[2] == k.shape[2]:
             docs = {} if documents is None else {"document_ids": documents[rows] if documents.shape[0] > 1
                                                  else documents.expand(q.shape[0], -1)}
@@ -151,7 +167,7 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
         return attend(q, k, v, positional, causal=True, scale=scale, backend=span_backend(backend, q, positional.op),
                       q_start=qs, k_start=ks)
 
-    if len(groups) == 1 and len(next(iter(groups.values()))) == B:
+    if not gapped and len(groups) == 1 and len(next(iter(groups.values()))) == B:
         (i0, i1, s, e), _ = next(iter(groups.items()))
         if i0 == 0 and i1 == nq:
             return run(slice(None), i0, i1, s, e)
@@ -159,7 +175,24 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
     for (i0, i1, s, e), rows in groups.items():
         idx = torch.tensor(rows, device=query.device)
         out = _put(out, idx, i0, i1, run(idx, i0, i1, s, e))
+    for b in gapped:
+        out = _put(out, torch.tensor([b], device=query.device), 0, nq,
+                   _gap_row(query[b:b + 1], key[b:b + 1], value[b:b + 1], valid[b], positional, scale, k_first,
+                            dropout, key_bias, rule))
     return out
+
+
+def _gap_row(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, positional: Positional, scale: float, k_first: int,
+             p: float, key_bias, rule: str) -> Tensor:
+    """One row whose mask has a gap: exact, dense per query chunk, at the family's positions."""
+    total, nq = valid.numel(), q.shape[2]
+    pos = row_positions(valid, rule).cpu()
+    q_idx, k_idx = torch.arange(total - nq, total), torch.arange(k_first, total)
+    if key_bias is not None:
+        q, k = _with_key_bias(q, k, key_bias(pos[k_first:].to(q.device)), scale)
+    out = chunked_attention(q, k, v, positional, scale, pos[total - nq:], pos[k_first:], q_idx, k_idx,
+                            valid[k_first:], p)
+    return out * valid[total - nq:].to(out.dtype)[None, None, :, None]
 
 
 def _put(out: Tensor, rows: Tensor, i0: int, i1: int, part: Tensor) -> Tensor:
@@ -179,30 +212,33 @@ def _with_key_bias(q: Tensor, k: Tensor, bias: Tensor, scale: float) -> Tuple[Te
     return torch.cat([q, ones], -1), torch.cat([k, extra], -1)
 
 
-def dropout_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional, *, scale: float, q_start: int,
-                      k_start: int, p: float) -> Tensor:
-    """Exact causal attention with dropout ``p`` on the attention probabilities (training): dense per chunk of
-    :data:`CHUNK` queries (``O(chunk nk)`` memory), each chunk recomputed in the backward with the same dropout
-    mask (``torch.utils.checkpoint`` keeps the RNG state). Positions as in :func:`poslsh.attend`."""
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional, scale: float, q_pos: Tensor,
+                      k_pos: Tensor, q_idx: Tensor, k_idx: Tensor, key_ok: Optional[Tensor], p: float) -> Tensor:
+    """Exact causal attention (``k_idx <= q_idx``, keys ``key_ok``) with the positional object's dense bias
+    between ``q_pos [nq]`` and ``k_pos [nk]``, and dropout ``p`` on the probabilities (training): dense per
+    chunk of :data:`CHUNK` queries (``O(chunk nk)`` memory), each chunk recomputed in the backward with the
+    same dropout mask (``torch.utils.checkpoint`` keeps the RNG state). A query with no key gives 0."""
     from torch.utils.checkpoint import checkpoint
 
     B, Hq, nq, _ = q.shape
-    nk = k.shape[2]
     k = k.repeat_interleave(Hq // k.shape[1], dim=1) if k.shape[1] != Hq else k
     v = v.repeat_interleave(Hq // v.shape[1], dim=1) if v.shape[1] != Hq else v
-    k_pos = torch.arange(k_start, k_start + nk, device=q.device)
+    dev = q.device
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ok = None if key_ok is None else key_ok.to(dev)
 
     def chunk(qc: Tensor, c0: int) -> Tensor:
-        q_pos = torch.arange(q_start + c0, q_start + c0 + qc.shape[2], device=q.device)
-        bias = positional.dense_bias(q_pos, k_pos).to(dt)                        # [H, c, nk], -inf outside
-        allowed = k_pos[None, :] <= q_pos[:, None]
+        c1 = c0 + qc.shape[2]
+        bias = positional.dense_bias(q_pos[c0:c1].to(dev), k_pos.to(dev)).to(dt)        # [H, c, nk], -inf outside
+        allowed = k_idx.to(dev)[None, :] <= q_idx[c0:c1].to(dev)[:, None]
+        if ok is not None:
+            allowed = allowed & ok[None, :]
         s = torch.einsum("bhid,bhjd->bhij", qc.to(dt), k.to(dt)) * scale + bias
-        s = s.masked_fill(~allowed, float("-inf"))
-        w = torch.softmax(s, -1).nan_to_num(0.0)
-        w = torch.nn.functional.dropout(w, p=p, training=True)
+        w = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        if p > 0:
+            w = torch.nn.functional.dropout(w, p=p, training=True)
         return torch.einsum("bhij,bhjd->bhid", w, v.to(dt)).to(q.dtype)
 
-    outs = [checkpoint(chunk, q[:, :, c0:c0 + CHUNK], c0, use_reentrant=False) for c0 in range(0, nq, CHUNK)]
+    outs = [checkpoint(chunk, q[:, :, c0:c0 + CHUNK], c0, use_reentrant=False) if torch.is_grad_enabled()
+            else chunk(q[:, :, c0:c0 + CHUNK], c0) for c0 in range(0, nq, CHUNK)]
     return torch.cat(outs, 2) if outs else q.new_zeros(B, Hq, 0, v.shape[-1])
-

@@ -122,4 +122,4 @@ def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cac
     positional = st.positional_for(query, key)
     p = float(dropout) if module.training else 0.0
     return attend_rows(query, key, value, mask, positional, scale=st.scale, backend=st.backend, k_first=k_first,
-                       dropout=p, key_bias=st.key_bias)
+                       dropout=p, key_bias=st.key_bias, rule="index" if st.family == "mpt" else "cumsum")
