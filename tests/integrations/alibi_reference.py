@@ -72,6 +72,8 @@ def _bloom(self, hidden_states, residual, alibi, attention_mask, layer_past=None
     bias = _bias(self, state, B, H, nq, kv, self.beta * own)
     scores = self.inv_norm_factor * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) + bias
     probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv)).to(q.dtype)
+    if state["dropout"]:
+        probs = self.attention_dropout(probs)
     ctx = (probs @ v).transpose(1, 2).reshape(B, nq, H * self.head_dim)
     return dropout_add(self.dense(ctx), residual, self.hidden_dropout, self.training), None
 
@@ -90,6 +92,8 @@ def _mpt(self, hidden_states, position_bias=None, cache=None, attention_mask=Non
     bias = _bias(self, state, B, self.n_heads, nq, kv, model_bias)
     scores = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) * self.softmax_scale + bias
     probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv, masked_is_true=True)).to(q.dtype)
+    if state["dropout"]:
+        probs = F.dropout(probs, p=self.attn_dropout_p, training=self.training)
     return self.out_proj((probs @ v).transpose(1, 2).reshape(B, nq, -1)), None
 
 
@@ -122,11 +126,13 @@ def _falcon(self, hidden_states, alibi, attention_mask, position_ids=None, layer
 FORWARDS = {"BloomAttention": _bloom, "MptAttention": _mpt, "FalconAttention": _falcon}
 
 
-def reference_model(model, *, falcon_bias="exact", positional=None, bias64=False):
+def reference_model(model, *, falcon_bias="exact", positional=None, bias64=False, dropout=False):
     """A deep copy of the *untouched* ``model`` computing the float64 reference (see the module);
-    ``bias64``: BLOOM's product ``m_h p`` in float64 too (transformers forms it in float32)."""
+    ``bias64``: BLOOM's product ``m_h p`` in float64 too (transformers forms it in float32); ``dropout``:
+    BLOOM's and MPT's dropout on the probabilities in training (Falcon's is inside sdpa)."""
     ref = copy.deepcopy(model)
-    state = {"mask": None, "positional": positional, "falcon_bias": falcon_bias, "bias64": bias64}
+    state = {"mask": None, "positional": positional, "falcon_bias": falcon_bias, "bias64": bias64,
+             "dropout": dropout}
     # eager masks, materialised (Falcon: its sdpa branch builds the 4-D mask we read the allowed keys from)
     ref.config._attn_implementation = "sdpa" if ref.config.model_type == "falcon" else "eager"
     for m in ref.modules():
