@@ -79,6 +79,12 @@ def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend
                          "the certified bound assumes; use falcon_bias='exact' or a fixed window")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ('auto', 'torch', ...), got {type(backend).__name__}")
+    from ..ops import load_backends, registry
+
+    load_backends()
+    known = {b.name for b in registry.registered("window")} | set(getattr(registry, "_MISSING", {}))
+    if backend != "auto" and backend not in known:
+        raise ValueError(f"backend: unknown backend {backend!r}; one of {sorted(known | {'auto'})}")
 
 
 def _config_refusals(config) -> None:

@@ -81,3 +81,15 @@ def test_past_vs_no_past_with_padding_and_a_masked_stretch(name):
         want = ref(x2, attention_mask=m2).last_hidden_state[:, -3:]
         assert (full - step).abs().max() <= 1e-10, case
         assert (full - want).abs().max() <= 1e-10, case
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_left_padded_batch_equals_each_row_alone(name):
+    model = patch_alibi(tiny_model(name))
+    x, mask = _prompts(n=20, pads=(0, 4, 11))
+    with torch.no_grad():
+        batched = model(x, attention_mask=mask).logits
+        for b in range(x.shape[0]):
+            real = x[b:b + 1, mask[b].bool()]
+            alone = model(real).logits[0]
+            assert (batched[b, mask[b].bool()] - alone).abs().max() <= 1e-10

@@ -171,6 +171,7 @@ def test_refusals_in_one_line():
     _refused("only Falcon", patch_alibi, bloom, falcon_bias="bfloat16")
     _refused("falcon_bias must be", patch_alibi, tiny_model("falcon"), falcon_bias="float16")
     _refused("3 windows for 4 heads", patch_alibi, bloom, window=[1, 2, 3])
+    _refused("unknown backend 'fast'", patch_alibi, bloom, backend="fast")
     patch_alibi(bloom)
     x, _ = _batch(n=8, pads=(0,))
     _refused("output_attentions", bloom, x, output_attentions=True)
@@ -196,3 +197,16 @@ def test_save_load_round_trip_then_patch_again(name, tmp_path):
     with torch.no_grad():
         got = patch_alibi(loaded, window=[2, 3, 5, 7])(x, attention_mask=mask).logits
     assert (got - want).abs().max() <= 1e-12
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    x, mask = _batch()
+    grads = []
+    for checkpointed in (False, True):
+        model = patch_alibi(tiny_model("bloom4"), window=[3, 5, 9, 40]).train()
+        if checkpointed:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            assert model.transformer.h[0].gradient_checkpointing
+        model(x, attention_mask=mask, labels=x).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert (grads[0] - grads[1]).abs().max() <= 1e-12 * grads[0].abs().max()
