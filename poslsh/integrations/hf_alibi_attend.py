@@ -30,7 +30,7 @@ from ..positional import Positional
 __all__ = ["RowMask", "row_mask_builder", "row_runs", "row_positions", "update_kv", "attend_rows",
            "chunked_attention", "PACKED"]
 
-CHUNK = 256                      # query rows per chunk of the exact dropout path
+CHUNK = 256                      # query rows per chunk of the exact dense path (gaps, dropout)
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,11 @@ def row_mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     if kwargs.get("use_vmap", False):
         raise ValueError("attention_mask: a patched ALiBi model takes causal padding masks only (a custom mask "
                          "function was given)")
-    if not isinstance(kv_offset, int) or kv_offset != 0:
-        raise ValueError(f"cache: a patched ALiBi model needs a cache that keeps every key (kv_offset {kv_offset}); "
-                         "use transformers' DynamicCache")
+    if not isinstance(kv_offset, int) or kv_offset != 0 or not isinstance(q_offset, int) \
+            or kv_length != q_offset + q_length:
+        raise ValueError(f"cache: a patched ALiBi model needs a cache holding exactly the past keys, then the "
+                         f"queries ({q_offset} + {q_length} tokens in {kv_length} slots, offset {kv_offset}); use "
+                         "transformers' DynamicCache")
     valid = None
     if attention_mask is not None:
         valid = attention_mask.to(torch.bool)

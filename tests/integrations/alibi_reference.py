@@ -150,7 +150,8 @@ def reference_model(model, *, falcon_bias="exact", positional=None, bias64=False
 # ------------------------------------------------------------------ tiny random-init models of each family
 def tiny_config(name: str, **overrides):
     """Tiny configs of the real classes: ``bloom4``, ``bloom6``, ``bloom12``, ``mpt``, ``mpt_scaled``
-    (softmax_scale and clip_qkv), ``falcon``, ``falcon_mq`` (multi-query)."""
+    (softmax_scale and clip_qkv), ``falcon``, ``falcon_mq`` (multi-query), ``falcon_gqa`` (the new
+    decoder architecture, 2 key/value heads)."""
     from transformers import BloomConfig, FalconConfig, MptConfig
     if name.startswith("bloom"):
         H = int(name[5:])
@@ -162,12 +163,14 @@ def tiny_config(name: str, **overrides):
             cfg.update(d_model=48, n_heads=6, attn_config=dict(softmax_scale=0.31, clip_qkv=0.06))
         return MptConfig(**{**cfg, **overrides})
     cfg = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
-               new_decoder_architecture=False, multi_query=name == "falcon_mq", bias=True)
+               new_decoder_architecture=name == "falcon_gqa", multi_query=name == "falcon_mq", bias=True)
+    if name == "falcon_gqa":
+        cfg["num_kv_heads"] = 2
     return FalconConfig(**{**cfg, **overrides})
 
 
 PREFIX = {"bloom": "Bloom", "mpt": "Mpt", "falcon": "Falcon"}
-NAMES = ["bloom4", "bloom6", "bloom12", "mpt", "mpt_scaled", "falcon", "falcon_mq"]
+NAMES = ["bloom4", "bloom6", "bloom12", "mpt", "mpt_scaled", "falcon", "falcon_mq", "falcon_gqa"]
 
 
 def tiny_model(name: str, head: str = "ForCausalLM", seed: int = 0, dtype=torch.float64, **overrides):

@@ -176,6 +176,9 @@ def test_refusals_in_one_line():
     x, _ = _batch(n=8, pads=(0,))
     _refused("output_attentions", bloom, x, output_attentions=True)
     _refused("head_mask", bloom, x, head_mask=torch.ones(2, 4))
+    _refused("DynamicCache", bloom.generate, x, max_new_tokens=2, do_sample=False, cache_implementation="static")
+    mpt = patch_alibi(tiny_model("mpt"))
+    _refused("not a prepared 4-D one", mpt, x, attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool))
     for line in ("not an ALiBi model", ):
         with pytest.raises(ValueError) as e:
             patch_alibi(llama)
