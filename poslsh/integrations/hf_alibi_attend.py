@@ -36,13 +36,14 @@ CHUNK = 256                      # query rows per chunk of the exact dense path 
 @dataclass(frozen=True)
 class RowMask:
     """A causal mask as spans: ``valid [B, nk]`` bool (None: every token real), ``documents [B, n]`` int
-    (packed documents of a prefill, or None), ``q_length``, ``kv_length``. Stands where transformers'
+    (packed documents of a prefill, or None), ``q_length``, ``kv_length``, ``runs`` (:func:`row_runs`). Stands where transformers'
     models expect their 4-D mask: ``ndim`` is 0 (Falcon folds no bias into it) and ``.to()`` returns it."""
 
     valid: Optional[Tensor]
     documents: Optional[Tensor]
     q_length: int
     kv_length: int
+    runs: Optional[tuple] = None           # row_runs(valid), once per forward (one host sync, not one per layer)
     ndim: int = 0
 
     def to(self, *args, **kwargs) -> "RowMask":
@@ -79,7 +80,8 @@ def row_mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     if documents is not None and (valid is not None or q_length != kv_length):
         raise ValueError("position_ids: packed documents (positions that restart) need a prefill without padding or "
                          "cache; decode each document as its own row")
-    return RowMask(valid, documents, int(q_length), int(kv_length))
+    runs = None if valid is None else tuple(row_runs(valid, valid.shape[0], int(kv_length)))
+    return RowMask(valid, documents, int(q_length), int(kv_length), runs)
 
 
 def row_runs(valid: Optional[Tensor], B: int, nk: int) -> List[Optional[Tuple[int, int]]]:
@@ -137,7 +139,8 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
         raise ValueError("attention_mask: a patched ALiBi model takes a 2-D padding mask, not a prepared 4-D one")
     if valid is not None and valid.shape[-1] != total:
         valid = valid[:, :total]
-    runs = row_runs(valid, B, total)
+    known = isinstance(mask, RowMask) and mask.runs is not None and mask.kv_length == total
+    runs = list(mask.runs) if known else row_runs(valid, B, total)
     groups: Dict[Tuple[int, int, int, int], List[int]] = {}
     gapped = [b for b, r in enumerate(runs) if r is None]
     if gapped and documents is not None:

@@ -94,7 +94,7 @@ def _mpt_slopes(num_heads: int) -> Tensor:
 
 
 def _check_bloom(config) -> None:
-    pass
+    """BLOOM has one ALiBi variant (``pretraining_tp`` / ``slow_but_exact`` are kept by the forward)."""
 
 
 def _check_mpt(config) -> None:

@@ -160,7 +160,7 @@ def tiny_config(name: str, **overrides):
     if name.startswith("mpt"):
         cfg = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
         if name == "mpt_scaled":
-            cfg.update(d_model=48, n_heads=6, attn_config=dict(softmax_scale=0.31, clip_qkv=0.06))
+            cfg.update(d_model=48, n_heads=6, attn_config=dict(softmax_scale=0.31, clip_qkv=0.8))
         return MptConfig(**{**cfg, **overrides})
     cfg = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
                new_decoder_architecture=name == "falcon_gqa", multi_query=name == "falcon_mq", bias=True)

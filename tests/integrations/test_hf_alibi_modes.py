@@ -213,3 +213,20 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(x, attention_mask=mask, labels=x).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert (grads[0] - grads[1]).abs().max() <= 1e-12 * grads[0].abs().max()
+
+
+@pytest.mark.parametrize("window", [None, "certified", 5])
+def test_one_layer_equals_poslsh_alibi_attention_with_its_windows(window):
+    model = patch_alibi(tiny_model("bloom6"), window=window, tol=1e-3 if window == "certified" else None)
+    attn = model.transformer.h[1].self_attention
+    h = torch.randn(2, 50, 24, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    with torch.no_grad():
+        got = attn(h, torch.zeros_like(h), None, None)[0]
+        q, k, v = attn._reshape(attn.query_key_value(h))
+        stats = alibi_stats(model)[1]
+        w = stats["window"] if window is not None else None
+        slopes = torch.tensor(stats["slopes"], dtype=torch.float64)
+        ctx = poslsh.alibi_attention(q, k, v, slopes, causal=True, scale=attn.inv_norm_factor,
+                                     window=None if w is None else torch.tensor(w))
+        want = attn.dense(ctx.transpose(1, 2).reshape(2, 50, 24))
+    assert (got - want).abs().max() <= 1e-12
