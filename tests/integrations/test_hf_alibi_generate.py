@@ -93,3 +93,16 @@ def test_a_left_padded_batch_equals_each_row_alone(name):
             real = x[b:b + 1, mask[b].bool()]
             alone = model(real).logits[0]
             assert (batched[b, mask[b].bool()] - alone).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("mode", [dict(window=[1, 4, 9, 30]), dict(num_samples=4)])
+@pytest.mark.parametrize("name", ["bloom4", "falcon"])
+def test_windows_and_positional_lsh_decode_as_they_prefill(name, mode):
+    model = patch_alibi(tiny_model(name, "Model"), **mode)
+    x, mask = _prompts(n=30, pads=(0, 3, 12))
+    out = model(x, attention_mask=mask, use_cache=True)
+    nxt = torch.randint(3, 61, (x.shape[0], 4), generator=torch.Generator().manual_seed(6))
+    m2 = torch.cat([mask, torch.ones_like(nxt)], 1)
+    full = model(torch.cat([x, nxt], 1), attention_mask=m2).last_hidden_state[:, -4:]
+    step = model(nxt, cache=out.cache, attention_mask=m2).last_hidden_state
+    assert (full - step).abs().max() <= 1e-10
