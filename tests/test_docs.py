@@ -142,3 +142,9 @@ def test_the_docs_stay_design_documents_in_size():
     assert total <= DOCS_BUDGET, (f"docs/*.md hold {total / 1000:.1f} KB, over {DOCS_BUDGET // 1000} KB "
                                   f"(largest: {largest}): measured numbers belong in paper/RESULTS.md, "
                                   "history in CHANGELOG.md")
+
+
+def test_the_readme_is_a_front_door():
+    """The README stays a front door (at most 12 KB); design lives in docs/, numbers in results."""
+    size = (REPO / "README.md").stat().st_size
+    assert size <= 12_000, f"README.md is {size:,} bytes; move detail to docs/ (at most 12,000)"
