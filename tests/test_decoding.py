@@ -212,9 +212,10 @@ def test_packed_prefill_then_per_document_decoding_equals_each_document_alone(ki
             got_alone.append(alone.step(*chunk))
             pos += c
             assert (cache.start, cache.end, cache.size) == (alone.start, alone.end, alone.size)
-            assert cache.size <= cache.bound
-            if kind == "window":
-                assert cache.size == min(cache.end, 30)
+            if kind == "window":            # per-head rings: w_j + 1 rows (the oldest is overwritten next)
+                assert cache.size == min(cache.end, 31) and cache.kept_keys().tolist() == [min(cache.end, 31)]
+            else:
+                assert cache.size <= cache.bound
         errs = [float((packed[:, :, a:a + m] - want[:, :, :m]).abs().max()) if m else 0.0,
                 float((torch.cat(got, 2) - want[:, :, m:]).abs().max()),
                 float((torch.cat(got, 2) - torch.cat(got_alone, 2)[:, :, m:]).abs().max())]

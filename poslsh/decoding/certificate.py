@@ -37,7 +37,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Certificate", "CertificateWarning", "POLICIES", "dropped_mass_bound", "certified_window"]
+__all__ = ["Certificate", "CertificateWarning", "POLICIES", "dropped_mass_bound", "certify_step", "certified_window"]
 
 POLICIES = ("widen", "warn", "raise")
 
@@ -133,3 +133,51 @@ def certified_window(tol: float, logit_range, *, slopes=None, sigma=None):
 
     m = torch.as_tensor(one_rate(slopes, sigma, want="slopes", where="certified_window"), dtype=torch.float64)
     return make_window(m, smallest_window(tol, slopes=m, logit_range=logit_range))
+
+
+def certify_step(store, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:
+    """Bound the step's dropped mass for every row, head and query (``store``: a
+    :class:`~poslsh.decoding.HeadWindows` after the step) and apply the policy."""
+    cert, nq = store.certificate, q.shape[2]
+    own = store._own(p0, nq)
+    slopes = store.slopes.to(store.device)[:, None]
+    win = torch.tensor(store.win, device=store.device)[:, None]
+    kn = store.key_norm.repeat_interleave(store.r, 1)[..., None]
+    bound = dropped_mass_bound(lse, q.to(torch.float64).norm(dim=-1), kn, slopes, win, own, store.sinks, scale)
+    bound = bound.masked_fill(own < 0, 0)
+    vr = (store.v_hi - store.v_lo).clamp(min=0).nan_to_num(0).repeat_interleave(store.r, 1)   # [B, Hq, dv]
+    store.last_bound, store.last_error_bound = bound, bound[..., None] * vr[:, :, None]
+    store.stats["steps"] += 1
+    per_head = bound.amax((0, 2)).tolist()
+    store.stats["worst"] = max(store.stats["worst"], max(per_head))
+    over = [h for h, b in enumerate(per_head) if b > cert.tol]
+    for h in over:
+        store.stats["exceeded"][h] += 1
+    if over and cert.policy == "raise":
+        h = over[0]
+        store.failed = (f"certificate: head {h} dropped up to {per_head[h]:.3g} of its softmax mass at position "
+                       f"{p0 + nq - 1}, above tol={cert.tol:g} (window {store.win[h]})")
+        raise ValueError(f"{store.name}: {store.failed}: take a larger window (a larger logit_range), "
+                         "policy='widen', or a larger tol")
+    for h in over:
+        if h not in store._warned:
+            store._warned.add(h)
+            warnings.warn(f"{store.name}: certificate: head {h} dropped up to {per_head[h]:.3g} of its softmax "
+                          f"mass at position {p0 + nq - 1}, above tol={cert.tol:g} (window {store.win[h]}); "
+                          "counted in stats['exceeded']", CertificateWarning, stacklevel=4)
+    if cert.policy == "widen":
+        grow = [h for h, b in enumerate(per_head) if b > cert.widen_at * cert.tol]
+        changed = False
+        for h in grow:
+            new = cert.widened(store.win[h])
+            if new > store.win[h]:
+                store.win[h], changed = new, True
+                store.stats["widened"][h] += 1
+            elif ("cap", h) not in store._warned:
+                store._warned.add(("cap", h))
+                warnings.warn(f"{store.name}: certificate: head {h} is at cap={cert.cap} keys and its bound "
+                              f"{per_head[h]:.3g} passes {cert.widen_at:g} x tol; it cannot widen further",
+                              CertificateWarning, stacklevel=4)
+        if changed:
+            store._caps()
+            store._layout([min(c, max(a, store.total + 1)) for a, c in zip(store.alloc, store.cap)])

@@ -23,17 +23,16 @@ The certificate (:mod:`.certificate`) checks every step's dropped mass.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..attention import attend
-from ..merge import merge_attention
 from ..positional import check_positional
 from ..window.kind import make_window
-from .certificate import Certificate, CertificateWarning, dropped_mass_bound
+from .certificate import Certificate, certify_step
+from .sinks import sink_attention
 
 __all__ = ["HeadWindows", "head_buckets", "OP_COST"]
 
@@ -268,10 +267,32 @@ class HeadWindows:
                     self.sink_n[b] = o0 - pad + take
 
     # ------------------------------------------------------------------ a step
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, valid: Optional[Tensor] = None) -> Tensor:
+    def check_positions(self, position_ids: Optional[Tensor], valid: Optional[Tensor], nq: int) -> None:
+        """``position_ids [B, nq]`` of the real new tokens must continue the cache: counted from each row's
+        first real token (what generate() passes) or from the padded start."""
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != nq:
+            return
+        B = len(self.pads)
+        pid = position_ids.expand(B, nq).cpu()
+        padded = self.total + torch.arange(nq)
+        pads = torch.tensor([-1 if p is None else p for p in self.pads])
+        own = padded[None] - pads[:, None]
+        real = (pads >= 0)[:, None] & (padded[None] >= pads[:, None])
+        if valid is not None:
+            real &= valid.cpu()
+        bad = real & (pid != own) & (pid != padded[None])
+        if bool(bad.any()):
+            b, i = (int(x) for x in torch.nonzero(bad)[0])
+            raise ValueError(f"position_ids: row {b} token {i} has position {int(pid[b, i])} but the cache, holding "
+                             f"{self.total} tokens, expects {int(own[b, i])}: feed tokens in order, or start a "
+                             "new cache for a new sequence")
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, valid: Optional[Tensor] = None,
+               position_ids: Optional[Tensor] = None) -> Tensor:
         """Store the ``nq`` new keys/values ``k, v [B, Hkv, nq, d]`` at padded positions ``[total, total + nq)``
         and return the causal windowed ALiBi attention of their queries ``q [B, Hq, nq, d]``: ``[B, Hq, nq, dv]``
-        (zero at padding). ``valid [B, nq]``: which new tokens are real (left padding; None: all)."""
+        (zero at padding). ``valid [B, nq]``: which new tokens are real (left padding; None: all);
+        ``position_ids``: checked to continue the cache (:meth:`check_positions`)."""
         if self.failed is not None:
             raise ValueError(f"{self.name}: {self.failed}; build a new cache")
         nq = q.shape[2]
@@ -289,6 +310,7 @@ class HeadWindows:
         if nq == 0:
             return q.new_zeros(*q.shape[:3], v.shape[-1])
         self.observe(valid, nq)
+        self.check_positions(position_ids, valid, nq)
         p0 = self.total
         scale = q.shape[-1] ** -0.5 if self.scale is None else float(self.scale)
         if nq == 1:
@@ -301,10 +323,10 @@ class HeadWindows:
             self._ensure(p0 + nq)
             self._write(k, v, p0)
         if self.sinks and any(n for n in self.sink_n):
-            out, lse = self._with_sinks(q, out, lse, p0, scale)
+            out, lse = sink_attention(self, q, out, lse, p0, scale)
         self.total = p0 + nq
         if self.certificate is not None:
-            self._certify(q, lse, p0, scale)
+            certify_step(self, q, lse, p0, scale)
         return out
 
     def _floors(self, p: int) -> Optional[Tensor]:
@@ -320,12 +342,13 @@ class HeadWindows:
         qs = q.index_select(1, self._q_order)
         floors = self._floors(p)
         outs, lses = [], []
+        dist = p - self.pos                                 # [N], every ring at once
+        distf = dist.to(q.dtype)
         for qa, qb, lo, hi, reach, neg in self._buckets:
-            dist = p - self.pos[lo:hi]
-            bias = (dist.to(neg.dtype) * neg).masked_fill_(dist > reach, -math.inf)
+            bias = (distf[lo:hi] * neg).masked_fill_(dist[lo:hi] > reach, -math.inf)
             if floors is not None:
                 bias = bias.masked_fill((self.pos[lo:hi][None] < floors[:, None])[:, None], -math.inf)
-            s = torch.baddbmm(bias.to(q.dtype).expand(q.shape[0], -1, -1), qs[:, qa:qb], self.K[:, lo:hi].transpose(1, 2),
+            s = torch.baddbmm(bias.expand(q.shape[0], -1, -1), qs[:, qa:qb], self.K[:, lo:hi].transpose(1, 2),
                               alpha=scale)
             if want_lse:
                 lse = torch.logsumexp(s, -1, keepdim=True)
@@ -383,67 +406,3 @@ class HeadWindows:
         """``[B, 1, nq]`` each query's own position (negative at padding)."""
         pads = torch.tensor([p0 + nq if p is None else p for p in self.pads], device=self.device)
         return (torch.arange(p0, p0 + nq, device=self.device)[None] - pads[:, None])[:, None]
-
-    def _with_sinks(self, q: Tensor, out: Tensor, lse: Tensor, p0: int, scale: float) -> Tuple[Tensor, Tensor]:
-        """Merge in the sink keys a query sees outside its window (own positions ``j < sinks``, ``j <= own - w - 1``)."""
-        nq = q.shape[2]
-        own = self._own(p0, nq)[..., None]                                             # [B, 1, nq, 1]
-        j = torch.arange(self.sinks, device=self.device)
-        have = (j[None] < torch.tensor(self.sink_n, device=self.device)[:, None])[:, None, None]   # [B,1,1,k]
-        win = torch.tensor(self.win, device=self.device)[None, :, None, None]
-        dist = own - j
-        seen = have & (dist > win)
-        sk = self.sink_k.repeat_interleave(self.r, 1)
-        sv = self.sink_v.repeat_interleave(self.r, 1)
-        bias = (-self.slopes.to(self.device, q.dtype))[None, :, None, None] * dist.to(q.dtype)
-        s = (torch.matmul(q, sk.transpose(-1, -2)) * scale + bias).masked_fill(~seen, -math.inf)
-        ls = torch.logsumexp(s, -1)
-        os_ = torch.matmul(torch.softmax(s.masked_fill(~seen.any(-1, keepdim=True), 0), -1), sv)
-        merged, lse_all = merge_attention([out, os_], [lse.to(ls.dtype), ls])
-        return merged.to(out.dtype), lse_all
-
-    # ------------------------------------------------------------------ the certificate
-    def _certify(self, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:
-        cert, nq = self.certificate, q.shape[2]
-        own = self._own(p0, nq)
-        slopes = self.slopes.to(self.device)[:, None]
-        win = torch.tensor(self.win, device=self.device)[:, None]
-        kn = self.key_norm.repeat_interleave(self.r, 1)[..., None]
-        bound = dropped_mass_bound(lse, q.to(torch.float64).norm(dim=-1), kn, slopes, win, own, self.sinks, scale)
-        bound = bound.masked_fill(own < 0, 0)
-        vr = (self.v_hi - self.v_lo).clamp(min=0).nan_to_num(0).repeat_interleave(self.r, 1)   # [B, Hq, dv]
-        self.last_bound, self.last_error_bound = bound, bound[..., None] * vr[:, :, None]
-        self.stats["steps"] += 1
-        per_head = bound.amax((0, 2)).tolist()
-        self.stats["worst"] = max(self.stats["worst"], max(per_head))
-        over = [h for h, b in enumerate(per_head) if b > cert.tol]
-        for h in over:
-            self.stats["exceeded"][h] += 1
-        if over and cert.policy == "raise":
-            h = over[0]
-            self.failed = (f"certificate: head {h} dropped up to {per_head[h]:.3g} of its softmax mass at position "
-                           f"{p0 + nq - 1}, above tol={cert.tol:g} (window {self.win[h]})")
-            raise ValueError(f"{self.name}: {self.failed}: take a larger window (a larger logit_range), "
-                             "policy='widen', or a larger tol")
-        for h in over:
-            if h not in self._warned:
-                self._warned.add(h)
-                warnings.warn(f"{self.name}: certificate: head {h} dropped up to {per_head[h]:.3g} of its softmax "
-                              f"mass at position {p0 + nq - 1}, above tol={cert.tol:g} (window {self.win[h]}); "
-                              "counted in stats['exceeded']", CertificateWarning, stacklevel=4)
-        if cert.policy == "widen":
-            grow = [h for h, b in enumerate(per_head) if b > cert.widen_at * cert.tol]
-            changed = False
-            for h in grow:
-                new = cert.widened(self.win[h])
-                if new > self.win[h]:
-                    self.win[h], changed = new, True
-                    self.stats["widened"][h] += 1
-                elif ("cap", h) not in self._warned:
-                    self._warned.add(("cap", h))
-                    warnings.warn(f"{self.name}: certificate: head {h} is at cap={cert.cap} keys and its bound "
-                                  f"{per_head[h]:.3g} passes {cert.widen_at:g} x tol; it cannot widen further",
-                                  CertificateWarning, stacklevel=4)
-            if changed:
-                self._caps()
-                self._layout([min(c, max(a, self.total + 1)) for a, c in zip(self.alloc, self.cap)])
