@@ -37,7 +37,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Certificate", "CertificateWarning", "POLICIES", "dropped_mass_bound", "certify_step", "certified_window"]
+__all__ = ["Certificate", "CertificateWarning", "POLICIES", "certify_step", "certified_window"]
 
 POLICIES = ("widen", "warn", "raise")
 
