@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from ..decoding import Certificate, HeadWindows
+from ..decoding import Certificate, HeadWindows, span_backend
 from ..positional import check_positional
 
 __all__ = ["HeadWindowLayer"]
@@ -114,7 +114,8 @@ class HeadWindowLayer(CacheLayerMixin):
         if self.positional is None:
             self.positional = window
             self.store = HeadWindows(window, scale=scale, certificate=self.certificate, sinks=self.sinks,
-                                     backend=backend, name=f"layer {self.index}")
+                                     backend=span_backend(backend, torch.empty(0), window.op),
+                                     name=f"layer {self.index}")
         elif not self.positional.same_as(window):
             raise ValueError(f"cache: layer {self.index} evicted its keys for other partitions / another window than "
                              f"its attention passes now: {NEW_CACHE}")
