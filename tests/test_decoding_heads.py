@@ -208,3 +208,20 @@ def test_head_buckets_minimise_the_cost():
         edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [5]
         every.append(cost(list(zip(edges[:-1], edges[1:]))))
     assert math.isclose(cost(best), min(every)) and best[0] == (0, 3) and best[-1] == (4, 5)
+
+
+def test_the_one_tensor_of_a_window_kvwindow_is_built_for_one_release():
+    """KVWindow(window).k / .v: per-head storage has no one tensor; for one release it is built (the kept keys
+    of positions [start, end), zero where a KV head holds fewer), with one deprecation warning."""
+    from poslsh import _compat
+    win = make_window(poslsh.alibi_slopes(2), torch.tensor([3, 10]))
+    q, k, v = qkv(1, 2, 2, 30)
+    cache = KVWindow(win)
+    for t in range(30):
+        cache.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    _compat.reset_warnings()
+    with pytest.warns(_compat.PoslshDeprecationWarning, match="stored per head"):
+        kk = cache.k
+    assert kk.shape == (1, 2, 11, 8) and cache.start == 19
+    assert torch.equal(kk[:, 1], k[:, 1, 19:]) and torch.equal(kk[:, 0, -4:], k[:, 0, 26:])
+    assert float(kk[:, 0, :-4].abs().sum()) == 0 and torch.equal(cache.v[:, 1], v[:, 1, 19:])

@@ -372,13 +372,7 @@ class HeadWindows:
         L = max(min(p0, c - 1) for c in self.cap)
         keys, vals = k, v
         if L > 0:
-            x = torch.arange(p0 - L, p0, device=self.device)
-            have = x[None] >= (p0 - (self._cap_t - 1))[:, None]                       # [Hkv, L]
-            idx = torch.where(have, self._off_t[:, None] + x[None] % self._cap_t[:, None], torch.zeros_like(x[None]))
-            have &= self.pos[idx] == x[None]
-            gone = ~have[None, :, :, None]
-            kk = self.K[:, idx.flatten()].view(B, self.Hkv, L, self.d).masked_fill(gone, 0)
-            vk = self.V[:, idx.flatten()].view(B, self.Hkv, L, self.dv).masked_fill(gone, 0)
+            kk, vk = self.ordered(L, self._cap_t - 1)
             keys, vals = torch.cat([kk, k], 2), torch.cat([vk, v], 2)
         self.peak = max(self.peak, keys.shape[2] * self.Hkv)
         window = make_window(self.slopes, torch.tensor(self.win)).to(self.device)
@@ -401,6 +395,20 @@ class HeadWindows:
             else:
                 out[r, :, i0:], lse[r, :, i0:] = o, l.to(lse.dtype)
         return out, lse
+
+    def ordered(self, L: int, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """The keys and values of positions ``[total - L, total)`` in order, ``[B, Hkv, L, d]`` (a copy), zero
+        where head ``j`` holds none or beyond its last ``keep[j]`` positions (default: all it holds)."""
+        p0 = self.total
+        keep = self._cap_t if keep is None else keep
+        x = torch.arange(p0 - L, p0, device=self.device)
+        have = x[None] >= (p0 - keep)[:, None]                                       # [Hkv, L]
+        idx = torch.where(have, self._off_t[:, None] + x[None] % self._cap_t[:, None], torch.zeros_like(x[None]))
+        have &= self.pos[idx] == x[None]
+        gone = ~have[None, :, :, None]
+        kk = self.K[:, idx.flatten()].view(self.B, self.Hkv, L, self.d).masked_fill(gone, 0)
+        vk = self.V[:, idx.flatten()].view(self.B, self.Hkv, L, self.dv).masked_fill(gone, 0)
+        return kk, vk
 
     def _own(self, p0: int, nq: int) -> Tensor:
         """``[B, 1, nq]`` each query's own position (negative at padding)."""

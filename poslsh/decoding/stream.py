@@ -135,12 +135,39 @@ class KVWindow:
                              "keys: pass a poslsh.AlibiWindow with per_head=True (positional LSH keeps its own bound)")
         self.store = None if store is None else store(positional, scale=scale, certificate=certificate, sinks=sinks,
                                                       backend=span_backend(backend, torch.empty(0), self.op))
-        self.k: Optional[Tensor] = None      # [B, Hkv, end - start, d] (shared storage only)
-        self.v: Optional[Tensor] = None      # [B, Hkv, end - start, dv]
+        self._k: Optional[Tensor] = None     # [B, Hkv, end - start, d] (shared storage only)
+        self._v: Optional[Tensor] = None     # [B, Hkv, end - start, dv]
         self.start = 0                       # position of the first kept key (per head: of the widest ring)
         self.end = 0                         # tokens seen = position of the next query
         self.peak = 0                        # most keys a step attended to
         self.bound = positional.cache_bound()
+
+    @property
+    def k(self) -> Optional[Tensor]:
+        """``[B, Hkv, end - start, d]``: the kept keys (shared storage). Per-head storage has no such tensor:
+        for one release this builds it (a copy, zero where a head holds fewer) with a deprecation warning."""
+        return self._k if self.store is None else self._one_tensor()[0]
+
+    @k.setter
+    def k(self, value: Optional[Tensor]) -> None:
+        self._k = value
+
+    @property
+    def v(self) -> Optional[Tensor]:
+        """``[B, Hkv, end - start, dv]``: the kept values (see :attr:`k`)."""
+        return self._v if self.store is None else self._one_tensor()[1]
+
+    @v.setter
+    def v(self, value: Optional[Tensor]) -> None:
+        self._v = value
+
+    def _one_tensor(self):
+        warn_once("poslsh.decoding.KVWindow.k", "KVWindow.k / .v of a window cache: windows are stored per head "
+                  "(kept_keys(), nbytes()); the one [B, Hkv, size, d] tensor is built as a copy for one release; "
+                  "KVWindow(window, per_head=False) keeps it")
+        if self.store.K is None:
+            return None, None
+        return self.store.ordered(self.size)
 
     @property
     def size(self) -> int:
@@ -157,13 +184,13 @@ class KVWindow:
         """Keys each KV head holds now: LongTensor ``[Hkv]``."""
         if self.store is not None:
             return self.store.kept_keys()
-        return torch.full((0 if self.k is None else self.k.shape[1],), self.size, dtype=torch.int64)
+        return torch.full((0 if self._k is None else self._k.shape[1],), self.size, dtype=torch.int64)
 
     def nbytes(self) -> int:
         """Bytes of the key/value storage."""
         if self.store is not None:
             return self.store.nbytes()
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
 
     def _sync(self) -> None:
         st = self.store
