@@ -33,8 +33,13 @@ def window_model(windows=WINDOWS, KV=4, layers=2, dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=KV, head_dim=8,
-                                   max_position_embeddings=1 << 16, attention_dropout=0.0, pad_token_id=0)
+                                   max_position_embeddings=1 << 16, attention_dropout=0.0, pad_token_id=0,
+                                   bos_token_id=None, eos_token_id=None)
     model = hf.apply_positional_scheme(transformers.LlamaForCausalLM(cfg), "alibi-window", window_sigmas=1.0)
+    with torch.no_grad():                  # attention that matters: logits of order 1, outputs of the residual's size
+        for m in attention_modules(model):
+            for proj in (m.q_proj, m.k_proj, m.v_proj, m.o_proj):
+                proj.weight.mul_(6.0)
     return set_windows(model.to(dtype).eval(), windows)
 
 
@@ -62,7 +67,17 @@ def generation_equals_recomputation(steps):
     cache = cached.cache
     assert isinstance(cache, hf.PoslshCache)                    # generate() picked it by itself
     plain, lp = greedy(model, x, steps, use_cache=False)
-    err = float((lc[:, -1] - lp[:, -1]).abs().max())
+    # generate() hands out float32 logits: the float64 ones, step by step through a cache and in one forward
+    seq = cached.sequences
+    with torch.no_grad():
+        full = model(seq).logits[0]
+        by_step, c = [], hf.generation_cache(model)
+        by_step.append(model(seq[:, :20], cache=c, use_cache=True).logits[0])
+        for t in range(20, seq.shape[1]):
+            by_step.append(model(seq[:, t:t + 1], cache=c, use_cache=True).logits[0])
+    by_step = torch.cat(by_step)
+    assert by_step.dtype == torch.float64 and float((by_step - full).abs().max()) < 1e-10
+    err = float((by_step[-1] - full[-1]).abs().max())
     rows = sum(w + 1 for w in WINDOWS)
     limit = 1.15 * rows * (8 + 8) * 8 * 2                       # 1.15 x sum_h (w_h + 1) (dk + dv) 8 bytes x layers
     print(f"{steps} tokens: equal {torch.equal(cached.sequences, plain.sequences)}, last logits differ by {err:.1e}, "
@@ -122,7 +137,7 @@ def certified_generation(monkeypatch, steps, every):
     """Certified windows (tol 1e-3, policy "raise"): at sampled steps layer 0's output is within the
     certificate's bound of exact ALiBi over every past key."""
     slopes = poslsh.alibi_slopes(4)
-    win = certified_window(1e-3, 1.0, slopes=slopes)
+    win = certified_window(1e-3, 8.0, slopes=slopes)      # an assumed logit range of 8
     model = window_model(win.window.tolist())
     log = record_layer0(monkeypatch, every)
     cache = hf.PoslshCache(model, certificate=Certificate(1e-3, "raise"))
