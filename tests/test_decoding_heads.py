@@ -225,3 +225,17 @@ def test_the_one_tensor_of_a_window_kvwindow_is_built_for_one_release():
     assert kk.shape == (1, 2, 11, 8) and cache.start == 19
     assert torch.equal(kk[:, 1], k[:, 1, 19:]) and torch.equal(kk[:, 0, -4:], k[:, 0, 26:])
     assert float(kk[:, 0, :-4].abs().sum()) == 0 and torch.equal(cache.v[:, 1], v[:, 1, 19:])
+
+
+def test_a_chunk_after_widening_runs_token_by_token():
+    """After "widen" grew a ring that has not refilled, a chunk of tokens equals feeding them one by one (the
+    window op needs contiguous keys; the step reads the ring in place)."""
+    q, k, v = qkv(1, 4, 4, 60, seed=2)
+    a, b = too_small("widen", cap=30), too_small("widen", cap=30)
+    with pytest.warns(CertificateWarning):
+        run(a, q[:, :, :20], k[:, :, :20], v[:, :, :20], [1])
+        run(b, q[:, :, :20], k[:, :, :20], v[:, :, :20], [1])
+        assert a.win == b.win and not a._complete(a.total)
+        chunk = a.attend(q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27])
+        ones = run(b, q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27], [1])
+    assert torch.equal(chunk, ones) and a.win == b.win and a.total == b.total == 27

@@ -2,7 +2,8 @@
 
 * :mod:`.stream`: the eviction rule of every sequence kind (:func:`first_needed`, :func:`cache_bound`,
   eq. (4)'s :func:`cache_bound_whp`), :class:`KVWindow` (one layer, one stream), packed prefills;
-* :mod:`.heads`: :class:`HeadWindows`, the per-head window store (each KV head keeps its own window);
+* :mod:`.heads`: :class:`HeadWindows`, the per-head window store (each KV head keeps its own window),
+  with :mod:`.rows` (left padding, positions) and :mod:`.sinks` (the first positions kept exactly);
 * :mod:`.certificate`: :class:`Certificate`, the per-step bound on the mass a window drops.
 """
 from .certificate import POLICIES, Certificate, CertificateWarning, certified_window

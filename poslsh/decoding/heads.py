@@ -32,6 +32,7 @@ from ..attention import attend
 from ..positional import check_positional
 from ..window.kind import make_window
 from .certificate import Certificate, certify_step
+from .rows import check_row_positions, observe_rows
 from .sinks import sink_attention
 
 __all__ = ["HeadWindows", "head_buckets", "OP_COST"]
@@ -166,25 +167,6 @@ class HeadWindows:
                       for a, n, c in zip(self.alloc, need, self.cap)])
 
     # ------------------------------------------------------------------ rows
-    def observe(self, valid: Optional[Tensor], nq: int) -> None:
-        """Record each row's first real token from ``valid [B, nq]`` (the new tokens that are real; None: all)."""
-        q_first = self.total
-        firsts = [0] * len(self.pads) if valid is None else None
-        if valid is not None:
-            valid = valid.to("cpu", torch.bool)
-            first = torch.where(valid.any(1), valid.to(torch.int8).argmax(1), nq)
-            if not torch.equal(valid, torch.arange(nq)[None] >= first[:, None]):
-                raise ValueError("attention_mask: a row has padding after a real token; a cache takes left padding "
-                                 "only (pad before the prompt, as generate() does)")
-            firsts = first.tolist()
-        for b, f in enumerate(firsts):
-            if self.pads[b] is None:
-                if f < nq:
-                    self.pads[b] = q_first + f
-            elif f != 0:
-                raise ValueError(f"attention_mask: row {b} has padding after its first real token; a cache takes "
-                                 "left padding only (pad before the prompt, as generate() does)")
-
     def select_rows(self, index: Tensor) -> None:
         """Keep the batch rows ``index`` (beam reordering, selection), in that order."""
         idx = index.to(torch.int64).reshape(-1)
@@ -267,32 +249,12 @@ class HeadWindows:
                     self.sink_n[b] = o0 - pad + take
 
     # ------------------------------------------------------------------ a step
-    def check_positions(self, position_ids: Optional[Tensor], valid: Optional[Tensor], nq: int) -> None:
-        """``position_ids [B, nq]`` of the real new tokens must continue the cache: counted from each row's
-        first real token (what generate() passes) or from the padded start."""
-        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != nq:
-            return
-        B = len(self.pads)
-        pid = position_ids.expand(B, nq).cpu()
-        padded = self.total + torch.arange(nq)
-        pads = torch.tensor([-1 if p is None else p for p in self.pads])
-        own = padded[None] - pads[:, None]
-        real = (pads >= 0)[:, None] & (padded[None] >= pads[:, None])
-        if valid is not None:
-            real &= valid.cpu()
-        bad = real & (pid != own) & (pid != padded[None])
-        if bool(bad.any()):
-            b, i = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"position_ids: row {b} token {i} has position {int(pid[b, i])} but the cache, holding "
-                             f"{self.total} tokens, expects {int(own[b, i])}: feed tokens in order, or start a "
-                             "new cache for a new sequence")
-
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, valid: Optional[Tensor] = None,
                position_ids: Optional[Tensor] = None) -> Tensor:
         """Store the ``nq`` new keys/values ``k, v [B, Hkv, nq, d]`` at padded positions ``[total, total + nq)``
         and return the causal windowed ALiBi attention of their queries ``q [B, Hq, nq, d]``: ``[B, Hq, nq, dv]``
         (zero at padding). ``valid [B, nq]``: which new tokens are real (left padding; None: all);
-        ``position_ids``: checked to continue the cache (:meth:`check_positions`)."""
+        ``position_ids``: checked to continue the cache (:func:`.rows.check_row_positions`)."""
         if self.failed is not None:
             raise ValueError(f"{self.name}: {self.failed}; build a new cache")
         nq = q.shape[2]
@@ -309,8 +271,12 @@ class HeadWindows:
                              f"{[self.B, self.Hkv]} {self.dtype} on {self.device}: one cache per batch and layer")
         if nq == 0:
             return q.new_zeros(*q.shape[:3], v.shape[-1])
-        self.observe(valid, nq)
-        self.check_positions(position_ids, valid, nq)
+        if nq > 1 and not self._complete(self.total):   # a widened ring still refilling: token by token
+            return torch.cat([self.attend(*(t[:, :, i:i + 1] for t in (q, k, v)), position_ids=None if position_ids
+                                          is None else position_ids[..., i:i + 1], valid=None if valid is None
+                                          else valid[:, i:i + 1]) for i in range(nq)], 2)
+        observe_rows(self.pads, self.total, valid, nq)
+        check_row_positions(self.pads, self.total, position_ids, valid, nq)
         p0 = self.total
         scale = q.shape[-1] ** -0.5 if self.scale is None else float(self.scale)
         if nq == 1:
@@ -395,6 +361,16 @@ class HeadWindows:
             else:
                 out[r, :, i0:], lse[r, :, i0:] = o, l.to(lse.dtype)
         return out, lse
+
+    def _complete(self, p0: int) -> bool:
+        """Every ring holds all of its last ``w_j`` positions before ``p0`` (not so while a widened ring refills)."""
+        L = max(min(p0, c - 1) for c in self.cap)
+        if L <= 0 or self.K is None:
+            return True
+        x = torch.arange(p0 - L, p0, device=self.device)
+        need = x[None] >= (p0 - (self._cap_t - 1))[:, None]
+        idx = torch.where(need, self._off_t[:, None] + x[None] % self._cap_t[:, None], torch.zeros_like(x[None]))
+        return bool(((self.pos[idx] == x[None]) | ~need).all())
 
     def ordered(self, L: int, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """The keys and values of positions ``[total - L, total)`` in order, ``[B, Hkv, L, d]`` (a copy), zero
