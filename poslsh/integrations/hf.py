@@ -21,7 +21,8 @@ imported, and fails loudly without it.
 Where the pieces live: :mod:`.hf_convert` (``PositionalConfig``, RoPE removal, the saved
 scheme), :mod:`.hf_state` (each layer's positional object: its partition schedule, window and bias),
 :mod:`.hf_masks` (padding, packed documents, the mask builder), :mod:`.hf_cache` (the bounded
-KV cache for ``generate()``); here the one attention function of every scheme,
+KV cache for ``generate()``), :mod:`.hf_alibi` (:func:`patch_alibi`: unmodified BLOOM, MPT and Falcon
+on the library's ops); here the one attention function of every scheme,
 :func:`attention_forward` (``fn(module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d], attention_mask,
 scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``; the schemes differ only in their positional
 object and :data:`SCHEME_RULES`), and the public API.
@@ -72,13 +73,14 @@ from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbeddin
 from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
                        padded_self_attention, window_mask)
 from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
+from .hf_alibi import alibi_stats, patch_alibi
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
            "layer_positional", "PoslshCache", "generation_cache",
-           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG"]
+           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats"]
 
 log = logging.getLogger("poslsh.integrations.hf")
 STEP_KWARG = "poslsh_step"

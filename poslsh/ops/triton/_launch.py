@@ -110,14 +110,11 @@ def _device_guard(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _launch(name: str, kernel, grid, args, meta: dict, device_tensor: Tensor) -> None:
-    """Launch ``kernel[grid](**args, **meta)`` (``args`` by parameter name; a tuple: in order) on
-    ``device_tensor``'s device; count it."""
+def _launch(name: str, kernel, grid, args: dict, meta: dict, device_tensor: Tensor) -> None:
+    """Launch ``kernel[grid](**args, **meta)`` (every argument by its parameter name, so a
+    reordered kernel signature cannot shift them) on ``device_tensor``'s device; count it."""
     with _device_guard(device_tensor):
-        if isinstance(args, dict):
-            kernel[grid](**args, **meta)
-        else:
-            kernel[grid](*args, **meta)
+        kernel[grid](**args, **meta)
     LAUNCHES[name] += 1
 
 
@@ -253,7 +250,7 @@ def build_plan(widths: Tensor, offsets: Tensor, n: int, group: int, groups: Opti
     c = offsets.to(torch.float64).contiguous()
     mod = kernels(use_interpreter(w))
     _launch("plan", mod._plan_kernel, (H * S * n_blk + 1,),
-            (w, c, ids, gran, order, n, n_gran, H, S, group, n_blk),
+            dict(W=w, C=c, IDS=ids, GRAN=gran, ORDER=order, n=n, n_gran=n_gran, H=H, S=S, G=group, n_blk=n_blk),
             dict(BLOCK=PLAN_BLOCK, H_PAD=_pow2(H, 2)), w)
     if groups is None:
         return _plan.Plan(ids, gran, order)
@@ -349,8 +346,9 @@ def delta_pre(out: Tensor, dout: Tensor, dlse: Optional[Tensor], interpret: bool
     PRE = 64
     nt_pre = triton.cdiv(n, PRE)
     _launch("bwd_pre", kernels(interpret)._bwd_pre_kernel, (nt_pre * B * Hq,),
-            (out, dout, dl, delta, out.stride(0), out.stride(1), out.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2), n, nt_pre, B, Hq, math.log2(math.e)),
+            dict(O=out, DO=dout, DLSE=dl, DELTA=delta, sob=out.stride(0), soh=out.stride(1), son=out.stride(2),
+                 sdb=dout.stride(0), sdh=dout.stride(1), sdn=dout.stride(2), n=n, n_tiles=nt_pre, B=B, Hq=Hq,
+                 dlse_scale=math.log2(math.e)),
             dict(DV=dv, HEAD_DV=_pow2(dv), BLOCK=PRE, HAS_DLSE=has), out)
     return delta
 

@@ -1,0 +1,125 @@
+"""One patched ALiBi attention layer's state: its slopes, its positional object (exact, fixed windows,
+certified windows or positional LSH), Falcon's bfloat16 bias term, what it last used.
+
+The certified window (``window="certified"``, ``tol``): every call measures a bound on each head's
+logit spread on its own queries and keys, ``R_h = 2 scale max_i ||q_i|| max_j ||k_j - kbar||``
+(Cauchy-Schwarz: ``|q_i . (k_j - k_l)| <= ||q_i|| ||k_j - k_l|| <= 2 ||q_i|| max_j ||k_j - kbar||``, with
+``kbar`` the keys' mean), and takes ``smallest_window(tol, sigma_h, R_h, n=nk)``: the dropped softmax
+mass of every query is then ``<= tol`` (:mod:`poslsh.window.theory`), a guarantee for that call, not an
+estimate. ``O(B H n d)`` per call, no ``n x n``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..partitions import sample_partitions
+from ..positional import Positional
+from ..seeding import stable_seed
+from ..window.kind import NO_WINDOW, make_window
+from ..window.theory import smallest_window
+from .hf_alibi_attend import attend_rows, update_kv
+
+__all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
+
+
+@dataclass
+class LayerAlibi:
+    """A patched layer: ``slopes`` float64 ``[H]`` in logit units (what multiplies ``|i - j|`` after the
+    logit scale), ``scale`` (the logit scale of ``q . k``), ``mode`` (``"exact"``, ``"window"``,
+    ``"certified"``, ``"positional_lsh"``), the fixed ``positional`` object (None for certified windows,
+    chosen per call), ``tol``, ``backend``, ``key_bias`` (Falcon's bfloat16 rounding term, or None),
+    ``last`` (the windows and logit ranges of the last call)."""
+
+    family: str
+    layer: int
+    slopes: Tensor
+    scale: float
+    mode: str
+    positional: Optional[Positional]
+    tol: Optional[float]
+    backend: str
+    key_bias: Optional[Callable[[Tensor], Tensor]] = None
+    num_samples: Optional[int] = None
+    last: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, family: str, layer: int, slopes: Tensor, scale: float, *, window, tol, num_samples, seed,
+              backend, key_bias=None) -> "LayerAlibi":
+        slopes = slopes.detach().to("cpu", torch.float64)
+        if num_samples is not None:
+            parts = sample_partitions(1.0 / slopes, num_samples, seed=stable_seed("patch_alibi", seed, layer))
+            return cls(family, layer, slopes, scale, "positional_lsh", parts, None, backend, key_bias, num_samples)
+        if isinstance(window, str):
+            return cls(family, layer, slopes, scale, "certified", None, float(tol), backend, key_bias)
+        if window is None:
+            return cls(family, layer, slopes, scale, "exact", make_window(slopes, NO_WINDOW), None, backend, key_bias)
+        return cls(family, layer, slopes, scale, "window", make_window(slopes, window), None, backend, key_bias)
+
+    def positional_for(self, query: Tensor, key: Tensor) -> Positional:
+        """The positional object of this call (certified: the windows this call's bound needs)."""
+        if self.positional is not None:
+            pos = self.positional if self.positional.device == query.device else self.positional.to(query.device)
+            self.positional = pos
+            if self.mode == "window":
+                self.last = {"window": pos.window.tolist()}
+            return pos
+        R = certified_logit_range(query, key, self.scale)
+        w = smallest_window(self.tol, 1.0 / self.slopes, R.cpu(), causal=True, n=max(int(key.shape[2]), 1))
+        self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2])}
+        return make_window(self.slopes.to(query.device), w.to(query.device))
+
+    def stats(self) -> dict:
+        out = {"layer": self.layer, "family": self.family, "mode": self.mode, "heads": int(self.slopes.numel()),
+               "slopes": self.slopes.tolist(), "falcon_bias": "bfloat16" if self.key_bias is not None else None}
+        if self.mode == "exact":
+            out["window"] = None
+        elif self.mode == "window":
+            out["window"] = self.positional.window.tolist()
+        elif self.mode == "certified":
+            out.update(tol=self.tol, window=self.last.get("window"), logit_range=self.last.get("logit_range"),
+                       keys=self.last.get("keys"))
+        else:
+            out["num_samples"] = self.num_samples
+        return out
+
+
+def certified_logit_range(query: Tensor, key: Tensor, scale: float) -> Tensor:
+    """A bound on each query head's logit spread ``max_i (max_j s_ij - min_j s_ij)`` over this call's
+    ``query [B, Hq, nq, d]`` and ``key [B, Hkv, nk, d]`` (``s = scale q . k``): float64 ``[Hq]``,
+    ``2 |scale| max_i ||q_i|| max_j ||k_j - kbar||`` (max over the batch), by Cauchy-Schwarz."""
+    q, k = query.detach().to(torch.float64), key.detach().to(torch.float64)
+    qn = q.norm(dim=-1).amax(dim=(0, 2))                                                  # [Hq]
+    kn = (k - k.mean(dim=2, keepdim=True)).norm(dim=-1).amax(dim=(0, 2))                  # [Hkv]
+    kn = kn.repeat_interleave(q.shape[1] // k.shape[1])
+    return 2.0 * abs(scale) * qn * kn
+
+
+def falcon_bf16_bias(slopes32: Tensor, head_dim: int) -> Callable[[Tensor], Tensor]:
+    """Falcon's bias as transformers computes it, ``bf16(bf16(m_h) p_j) / sqrt(head_dim)``, minus the exact
+    ALiBi part ``bf16(m_h) p_j / sqrt(head_dim)`` the op adds: ``positions [m] -> [H, m]`` (float64), the
+    rounding error of the product per key."""
+    m = slopes32.to(torch.float32).to(torch.bfloat16)
+    m64 = m.to(torch.float64)
+    root = float(head_dim) ** 0.5
+
+    def bias(positions: Tensor) -> Tensor:
+        p = positions.to(torch.int64)
+        rounded = (m.to(p.device)[:, None] * p[None, :]).to(torch.float64)           # bfloat16 product, as Falcon
+        return (rounded - m64.to(p.device)[:, None] * p[None, :].to(torch.float64)) / root
+
+    return bias
+
+
+def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
+    """A patched layer's attention: the key/value step, then every row at its own positions with the
+    layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``[B, Hq, nq, dv]``."""
+    st: LayerAlibi = module._poslsh_alibi
+    key, value, k_first = update_kv(cache, key, value, module.layer_idx)
+    positional = st.positional_for(query, key)
+    p = float(dropout) if module.training else 0.0
+    return attend_rows(query, key, value, mask, positional, scale=st.scale, backend=st.backend, k_first=k_first,
+                       dropout=p, key_bias=st.key_bias, rule="index" if st.family == "mpt" else "cumsum")

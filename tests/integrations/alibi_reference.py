@@ -1,0 +1,186 @@
+"""A float64 reference of transformers' BLOOM, MPT and Falcon (alibi=True): each model's own attention
+modules and its own bias, with the softmax in float64 (transformers runs it in float32 even in a
+float64 model), a fully masked query row giving 0 (not NaN), and Falcon's bias product
+``m_h * p`` in float64 (transformers rounds it to bfloat16; ``falcon_bias="bfloat16"`` keeps that).
+Falcon is the sdpa path's arithmetic (the bias added once; the explicit eager path adds it twice).
+
+``positional(layer) -> Positional`` replaces the ALiBi bias by that object's dense bias (windows,
+positional LSH) at positions counted from each row's first real token: the oracle of the other modes.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+
+
+def _softmax64(scores, allowed):
+    s = scores.to(torch.float64).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0)
+
+
+def _positions(state, B, kv):
+    """Per row the position of each of the kv keys: the mask's cumulative sum minus 1 (0 at padding)."""
+    mask = state.get("mask")
+    if mask is None:
+        return torch.arange(kv).expand(B, kv)
+    mask = mask[:, :kv].to(torch.int64)
+    return (mask.cumsum(-1) - 1) * mask
+
+
+def _bias(self, state, B, H, nq, kv, model_bias):
+    """[B, H, nq, kv] float64: the model's bias, or the positional object's dense bias."""
+    positional = state["positional"]
+    if positional is None:
+        return model_bias
+    pos = _positions(state, B, kv)
+    rows = []
+    for b in range(B):
+        p = pos[b]
+        rows.append(positional(self.layer_idx).dense_bias(p[kv - nq:], p))
+    return torch.stack(rows)
+
+
+def _allowed(attention_mask, B, nq, kv, masked_is_true=False):
+    if attention_mask is None:
+        i = torch.arange(kv - nq, kv)[:, None]
+        return (torch.arange(kv)[None] <= i)[None, None].expand(B, 1, nq, kv)
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask if masked_is_true else attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def _bloom(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+           output_attentions=False, **kwargs):
+    from transformers.models.bloom.modeling_bloom import dropout_add
+    state = self._ref_state
+    B, nq, _ = hidden_states.shape
+    q, k, v = self._reshape(self.query_key_value(hidden_states))
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    kv = k.shape[2]
+    H = self.num_heads
+    if state["bias64"]:          # the product m_h p in float64 (transformers: in float32)
+        from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+        m = _get_alibi_slopes(H, torch.device("cpu")).to(torch.float64)
+        own = m[None, :, None, None] * _positions(state, B, kv)[:, None, None, :].to(torch.float64)
+    else:
+        own = alibi.view(B, H, 1, kv).to(torch.float64)
+    bias = _bias(self, state, B, H, nq, kv, self.beta * own)
+    scores = self.inv_norm_factor * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) + bias
+    probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv)).to(q.dtype)
+    if state["dropout"]:
+        probs = self.attention_dropout(probs)
+    ctx = (probs @ v).transpose(1, 2).reshape(B, nq, H * self.head_dim)
+    return dropout_add(self.dense(ctx), residual, self.hidden_dropout, self.training), None
+
+
+def _mpt(self, hidden_states, position_bias=None, cache=None, attention_mask=None, **kwargs):
+    state = self._ref_state
+    B, nq = hidden_states.shape[:2]
+    mixed = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    q, k, v = (t.reshape(B, nq, self.n_heads, self.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=2))
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    kv = k.shape[2]
+    model_bias = position_bias[:, -1:, -kv:].to(torch.float64)[None] if state["positional"] is None else None
+    bias = _bias(self, state, B, self.n_heads, nq, kv, model_bias)
+    scores = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) * self.softmax_scale + bias
+    probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv, masked_is_true=True)).to(q.dtype)
+    if state["dropout"]:
+        probs = F.dropout(probs, p=self.attn_dropout_p, training=self.training)
+    return self.out_proj((probs @ v).transpose(1, 2).reshape(B, nq, -1)), None
+
+
+def _falcon(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+            output_attentions=False, position_embeddings=None, **kwargs):
+    state = self._ref_state
+    Hkv = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+    q, k, v = self._split_heads(self.query_key_value(hidden_states))
+    B, nq = q.shape[:2]
+    q = q.transpose(1, 2).reshape(B, self.num_heads, nq, self.head_dim)
+    k = k.transpose(1, 2).reshape(B, Hkv, nq, self.head_dim)
+    v = v.transpose(1, 2).reshape(B, Hkv, nq, self.head_dim)
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    kv = k.shape[2]
+    k, v = (t.repeat_interleave(self.num_heads // Hkv, dim=1) for t in (k, v))
+    root = math.sqrt(self.head_dim)
+    if state["falcon_bias"] == "bfloat16":        # transformers' own tensor: bf16(bf16(m) p)
+        model_bias = alibi.view(B, self.num_heads, 1, kv).to(torch.float64) / root
+    else:                                          # the product in float64
+        from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+        m = _get_alibi_slopes(self.num_heads, torch.device("cpu")).to(torch.float64)
+        model_bias = (m[None, :, None, None] * _positions(state, B, kv)[:, None, None, :].to(torch.float64)) / root
+    bias = _bias(self, state, B, self.num_heads, nq, kv, model_bias)
+    scores = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) / root + bias
+    probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv)).to(q.dtype)
+    return self.dense((probs @ v).transpose(1, 2).reshape(B, nq, self.num_heads * self.head_dim)), None
+
+
+FORWARDS = {"BloomAttention": _bloom, "MptAttention": _mpt, "FalconAttention": _falcon}
+
+
+def reference_model(model, *, falcon_bias="exact", positional=None, bias64=False, dropout=False):
+    """A deep copy of the *untouched* ``model`` computing the float64 reference (see the module);
+    ``bias64``: BLOOM's product ``m_h p`` in float64 too (transformers forms it in float32); ``dropout``:
+    BLOOM's and MPT's dropout on the probabilities in training (Falcon's is inside sdpa)."""
+    ref = copy.deepcopy(model)
+    state = {"mask": None, "positional": positional, "falcon_bias": falcon_bias, "bias64": bias64,
+             "dropout": dropout}
+    # eager masks, materialised (Falcon: its sdpa branch builds the 4-D mask we read the allowed keys from)
+    ref.config._attn_implementation = "sdpa" if ref.config.model_type == "falcon" else "eager"
+    for m in ref.modules():
+        name = type(m).__name__
+        if name in FORWARDS:
+            m._ref_state = state
+            m.forward = MethodType(FORWARDS[name], m)
+        if name in ("BloomModel", "MptModel", "FalconModel"):
+            def hook(module, args, kwargs):
+                state["mask"] = kwargs.get("attention_mask")
+            m.register_forward_pre_hook(hook, with_kwargs=True)
+    return ref
+
+
+# ------------------------------------------------------------------ tiny random-init models of each family
+def tiny_config(name: str, **overrides):
+    """Tiny configs of the real classes: ``bloom4``, ``bloom6``, ``bloom12``, ``mpt``, ``mpt_scaled``
+    (softmax_scale and clip_qkv), ``falcon``, ``falcon_mq`` (multi-query), ``falcon_gqa`` (the new
+    decoder architecture, 2 key/value heads)."""
+    from transformers import BloomConfig, FalconConfig, MptConfig
+    if name.startswith("bloom"):
+        H = int(name[5:])
+        cfg = dict(vocab_size=61, hidden_size=4 * H, n_layer=2, n_head=H)
+        return BloomConfig(**{**cfg, **overrides})
+    if name.startswith("mpt"):
+        cfg = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+        if name == "mpt_scaled":
+            cfg.update(d_model=48, n_heads=6, attn_config=dict(softmax_scale=0.31, clip_qkv=0.8))
+        return MptConfig(**{**cfg, **overrides})
+    cfg = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+               new_decoder_architecture=name == "falcon_gqa", multi_query=name == "falcon_mq", bias=True)
+    if name == "falcon_gqa":
+        cfg["num_kv_heads"] = 2
+    return FalconConfig(**{**cfg, **overrides})
+
+
+PREFIX = {"bloom": "Bloom", "mpt": "Mpt", "falcon": "Falcon"}
+NAMES = ["bloom4", "bloom6", "bloom12", "mpt", "mpt_scaled", "falcon", "falcon_mq", "falcon_gqa"]
+
+
+def tiny_model(name: str, head: str = "ForCausalLM", seed: int = 0, dtype=torch.float64, **overrides):
+    import transformers
+    cfg = tiny_config(name, **overrides)
+    torch.manual_seed(seed)
+    cls = getattr(transformers, PREFIX[cfg.model_type] + head)
+    model = cls(cfg).eval().to(dtype)
+    with torch.no_grad():            # larger weights than the init: logits that move (a test that could fail)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
