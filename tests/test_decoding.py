@@ -119,24 +119,31 @@ def test_first_needed_of_a_window_is_exactly_the_first_key_any_later_query_sees(
     assert cache_bound(win) == 70 and cache_bound(win, per_head=True) == WINDOWS
 
 
+@pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
-def test_window_decoding_equals_dense_oracle_holding_exactly_w_keys(dtype, tol):
+def test_window_decoding_equals_dense_oracle_holding_exactly_w_keys(dtype, tol, per_head):
     """Four heads with windows 0, 9, 33, 70, GQA, chunks of 1..64 tokens: every step equals the
-    dense float64 oracle, and after every step the cache holds exactly min(end, 70) keys, of
-    which head h can still see min(end, w_h)."""
+    dense float64 oracle. Per head, after every step KV head j holds exactly min(end, w_j + 1) rows
+    (w_j = 9 and 70: the widest of its query heads); shared, the cache holds min(end, 70) keys for
+    every head, of which head h can still see min(end, w_h)."""
     win, n = alibi_window(), 400
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
     want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)
-    cache = KVWindow(win, backend=WINDOW_AND_DOCUMENTS_BACKEND)
+    cache = KVWindow(win, backend=WINDOW_AND_DOCUMENTS_BACKEND, per_head=per_head)
     pos, outs, i, chunks = 0, [], 0, [1, 1, 3, 64, 1, 17, 1, 1, 40, 2]
     while pos < n:
         c = min(chunks[i % len(chunks)], n - pos)
         sl = slice(pos, pos + c)
         outs.append(cache.step(q[:, :, sl].to(dtype), k[:, :, sl].to(dtype), v[:, :, sl].to(dtype)))
         pos, i = pos + c, i + 1
-        assert cache.size == min(pos, 70) == cache.k.shape[2] and cache.peak <= 70 + max(chunks)
+        if per_head:
+            assert cache.kept_keys().tolist() == [min(pos, 10), min(pos, 71)] and cache.size == min(pos, 71)
+            rows, es = min(pos, 10) + min(pos, 71), torch.empty(0, dtype=dtype).element_size()
+            assert rows * 2 * 2 * 8 * es <= cache.nbytes() <= 1.15 * 2 * 2 * 8 * es * (10 + 71)   # B x (k, v) x d
+        else:
+            assert cache.size == min(pos, 70) == cache.k.shape[2] and cache.peak <= 70 + max(chunks)
         assert cache.needed_per_head == [min(pos, w) for w in WINDOWS]
     err = float((torch.cat(outs, 2).double() - want).abs().max())
     print(f"{dtype}: max |cached window - dense oracle| over {n} positions = {err:.2e}; kept {cache.size} keys "
@@ -205,9 +212,10 @@ def test_packed_prefill_then_per_document_decoding_equals_each_document_alone(ki
             got_alone.append(alone.step(*chunk))
             pos += c
             assert (cache.start, cache.end, cache.size) == (alone.start, alone.end, alone.size)
-            assert cache.size <= cache.bound
-            if kind == "window":
-                assert cache.size == min(cache.end, 30)
+            if kind == "window":            # per-head rings: w_j + 1 rows (the oldest is overwritten next)
+                assert cache.size == min(cache.end, 31) and cache.kept_keys().tolist() == [min(cache.end, 31)]
+            else:
+                assert cache.size <= cache.bound
         errs = [float((packed[:, :, a:a + m] - want[:, :, :m]).abs().max()) if m else 0.0,
                 float((torch.cat(got, 2) - want[:, :, m:]).abs().max()),
                 float((torch.cat(got, 2) - torch.cat(got_alone, 2)[:, :, m:]).abs().max())]

@@ -38,68 +38,22 @@ from __future__ import annotations
 
 import types
 import weakref
-from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding import SEQUENCE_KINDS, document_rows
+from ..decoding import SEQUENCE_KINDS, Certificate, HeadWindows, document_rows
 from ..positional import Positional, check_positional
-from .hf_convert import positional_config
+from .hf_cache_heads import HeadWindowLayer
+from .hf_cache_spec import (BLOCK_SCHEMES, CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec,
+                            check_layer)
 from .hf_rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
 
 __all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "CacheSpec", "PoslshCacheLayer",
-           "PoslshCache", "attend", "span_rows_attention", "left_pads", "packed_prefill_cache", "generation_cache",
+           "HeadWindowLayer", "PoslshCache", "Certificate", "attend", "span_rows_attention", "left_pads", "packed_prefill_cache", "generation_cache",
            "enable_generation_cache"]
-
-CACHE_KWARG = "poslsh_cache_layer"
-BLOCK_SCHEMES = ("poslsh", "fixed_blocks")          # the attention passes Partitions
-WINDOW_SCHEMES = ("alibi-window",)                  # the attention passes an AlibiWindow
-CACHE_SCHEMES = BLOCK_SCHEMES + WINDOW_SCHEMES
-NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
-# PositionalConfig fields that cannot change what a window scheme attends to
-_NOT_POSITIONAL = ("scheme", "backend", "rope_removed")
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """What the positional weights of a model's attention depend on (fields a scheme ignores
-    are None). A window scheme keys on every field of the model's ``PositionalConfig`` but the
-    backend (``params``): whichever of them carry its windows, a change makes the cache stale."""
-
-    scheme: str
-    num_heads: int
-    num_samples: Optional[int] = None     # poslsh
-    eval_seed: Optional[int] = None       # poslsh
-    block_size: Optional[int] = None      # fixed_blocks
-    params: Optional[tuple] = None        # window schemes: ((field, value), ...)
-
-    @classmethod
-    def of(cls, config, scheme: Optional[str] = None) -> "CacheSpec":
-        pc = positional_config(config)
-        scheme = scheme or config._attn_implementation
-        H = int(config.num_attention_heads)
-        if scheme == "poslsh":
-            return cls(scheme, H, num_samples=pc.num_samples, eval_seed=pc.eval_seed)
-        if scheme in WINDOW_SCHEMES:
-            return cls(scheme, H, params=tuple((k, _frozen(v)) for k, v in sorted(asdict(pc).items())
-                                               if k not in _NOT_POSITIONAL))
-        return cls(scheme, H, block_size=pc.block_size)
-
-    def __str__(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v is not None and k not in ("scheme", "params"))
-        extra += "".join(f", {k}={v}" for k, v in self.params or ())
-        return f"{self.scheme} ({extra})"
-
-
-def _frozen(value):
-    """A config value as something comparable and hashable (lists and dicts become tuples)."""
-    if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
-    return tuple(_frozen(x) for x in value) if isinstance(value, (list, tuple)) else value
-
 
 class PoslshCacheLayer(DynamicLayer):
     """The keys and values of one decoder layer, padded positions ``[start, total)``:
@@ -188,16 +142,7 @@ class PoslshCacheLayer(DynamicLayer):
     # ------------------------------------------------------- attention side
     def check(self, module, scheme: str) -> None:
         """Raise if the calling attention is not the one this layer was built for."""
-        now = CacheSpec.of(module.config, scheme)
-        if now != self.spec:
-            raise ValueError(f"cache: this PoslshCache was built for {self.spec} but the model runs {now}: {NEW_CACHE}")
-        if self._owner() is not module.config:
-            raise ValueError(f"cache: this PoslshCache was built for another model instance: {NEW_CACHE}")
-        if getattr(module, "layer_idx", self.index) != self.index:
-            raise ValueError(f"cache: layer {self.index} was updated by attention layer {module.layer_idx}")
-        if module.training:
-            raise ValueError("model is in training mode, which draws new partitions every forward; decoding with a "
-                             "cache needs the fixed evaluation partitions: call model.eval()")
+        check_layer(self, module, scheme)
 
     def observe(self, valid: Optional[Tensor], nq: int) -> None:
         """Record each row's first real token from ``valid [B, nq]`` (None: all real)."""
@@ -256,16 +201,19 @@ class PoslshCacheLayer(DynamicLayer):
             self.start += drop
 
 
-def attend(layer: PoslshCacheLayer, module, scheme: str, query: Tensor, key: Tensor, value: Tensor,
+def attend(layer, module, scheme: str, query: Tensor, key: Tensor, value: Tensor,
            allowed: Optional[Tensor], positional: Positional, scale: float, backend: str,
            position_ids: Optional[Tensor]) -> Tensor:
     """One cached step of layer ``layer``: ``query [B, Hq, nq, d]`` (the new tokens) against
-    ``key/value [B, Hkv, total - start, d]`` (what ``layer.update`` returned); returns
-    ``[B, Hq, nq, dv]`` and evicts. ``allowed``: the boolean causal mask (or None);
-    ``positional``: the layer's :class:`Partitions` (``poslsh``, ``fixed_blocks``) or
-    :class:`AlibiWindow` (``alibi-window``), the same at every step (checked)."""
-    layer.check(module, scheme)
+    ``key/value [B, Hkv, total - start, d]`` (what ``layer.update`` returned; a :class:`HeadWindowLayer`:
+    the new tokens' keys, stored per head); returns ``[B, Hq, nq, dv]`` and evicts. ``allowed``: the
+    boolean causal mask (or None); ``positional``: the layer's :class:`Partitions` (``poslsh``,
+    ``fixed_blocks``) or :class:`AlibiWindow` (``alibi-window``), the same at every step (checked)."""
+    check_layer(layer, module, scheme)
     check_positional(positional, op=SEQUENCE_KINDS)
+    if isinstance(layer, HeadWindowLayer):
+        valid = new_token_validity(allowed, query.shape[0], query.shape[2])
+        return layer.attend_scheme(query, key, value, valid, positional, scale, backend, position_ids)
     if layer.positional is not None and not layer.positional.same_as(positional):
         raise ValueError(f"cache: layer {layer.index} evicted its keys for other partitions / another window than "
                          f"its attention passes now: {NEW_CACHE}")
@@ -295,29 +243,79 @@ class PoslshCache(Cache):
     ``cache_bound(positional)`` that kept keys never exceed.
     """
 
-    def __init__(self, model, scheme: Optional[str] = None):
+    def __init__(self, model, scheme: Optional[str] = None, *, certificate: Optional[Certificate] = None,
+                 sinks: int = 0, per_head: bool = True):
         config = model.config.get_text_config(decoder=True)
         scheme = scheme or config._attn_implementation
         if scheme not in CACHE_SCHEMES:
             raise ValueError(f"model: a PoslshCache serves attn_implementation {' / '.join(map(repr, CACHE_SCHEMES))}, "
                              f"this model runs {scheme!r}; use transformers' DynamicCache")
+        heads = per_head and scheme in WINDOW_SCHEMES
+        if not heads and (certificate is not None or sinks):
+            raise ValueError(f"certificate / sinks: only per-head window caches (alibi-window, per_head=True) check a "
+                             f"certificate or keep sinks; {scheme} keeps its own bound")
         spec = CacheSpec.of(config, scheme)
         owner = weakref.ref(config)
-        super().__init__(layers=[PoslshCacheLayer(i, spec, owner) for i in range(config.num_hidden_layers)])
+        n = config.num_hidden_layers
+        super().__init__(layers=[HeadWindowLayer(i, spec, owner, certificate=certificate, sinks=sinks, kwarg=CACHE_KWARG)
+                                 if heads else PoslshCacheLayer(i, spec, owner) for i in range(n)])
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+    @classmethod
+    def for_windows(cls, model, *, certificate: Optional[Certificate] = None, sinks: int = 0,
+                    num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None) -> "PoslshCache":
+        """A per-head window cache for a model whose attention calls :meth:`attend_window` itself (e.g. one
+        patched for ALiBi): one :class:`HeadWindowLayer` per decoder layer (``num_layers``, default
+        ``config.num_hidden_layers``), no scheme of this integration required."""
+        config = model.config.get_text_config(decoder=True)
+        self = cls.__new__(cls)
+        n = int(num_layers if num_layers is not None else config.num_hidden_layers)
+        Cache.__init__(self, layers=[HeadWindowLayer(i, certificate=certificate, sinks=sinks, kwarg=CACHE_KWARG)
+                                     for i in range(n)])
+        self.num_kv_heads = int(num_kv_heads or getattr(config, "num_key_value_heads", None)
+                                or config.num_attention_heads)
+        return self
+
+    def attend_window(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, window, *,
+                      scale: Optional[float] = None, valid: Optional[Tensor] = None, backend: str = "auto",
+                      position_ids: Optional[Tensor] = None) -> Tensor:
+        """Store layer ``layer_idx``'s keys of this step and return its attention output
+        (:meth:`HeadWindowLayer.attend_window`: ``query [B, Hq, nq, d]``, ``key / value [B, Hkv, nq, d]``, the
+        layer's :class:`~poslsh.AlibiWindow`, ``valid [B, nq]`` the real new tokens) -> ``[B, Hq, nq, dv]``."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, HeadWindowLayer):
+            raise ValueError(f"cache: layer {layer_idx} of this PoslshCache keeps one shared window (partitions or "
+                             "per_head=False); attend_window needs a per-head window cache")
+        return layer.attend_window(query, key, value, window, scale=scale, valid=valid, backend=backend,
+                                   position_ids=position_ids)
 
     def stats(self) -> List[dict]:
-        """Per layer: ``tokens`` seen, ``kept`` keys (one tensor for all heads), ``peak`` keys
-        attended in one step, ``bound`` (``cache_bound`` of its partitions / window; None before
-        the first step) and ``bound_per_head`` (what each query head alone needs)."""
-        return [{"layer": l.index, "tokens": l.total, "kept": l.size, "peak": l.peak,
+        """Per layer: ``tokens`` seen, ``kept`` keys (the widest head's), ``peak`` keys attended in one
+        step, ``bound`` (``cache_bound`` of its partitions / window; per head: the widest ring; None before
+        the first step) and ``bound_per_head`` (what each query head alone needs); per-head layers add
+        ``kept_per_head`` and, certified, the ``certificate``'s counts."""
+        return [l.stats() if isinstance(l, HeadWindowLayer) else
+                {"layer": l.index, "tokens": l.total, "kept": l.size, "peak": l.peak,
                  "bound": None if l.positional is None else l.positional.cache_bound(),
                  "bound_per_head": None if l.positional is None else l.positional.cache_bound(per_head=True)}
                 for l in self.layers]
 
+    def kept_keys(self) -> Tensor:
+        """The keys each KV head of each layer holds now: LongTensor ``[num_layers, num_kv_heads]``."""
+        rows = []
+        for l in self.layers:
+            if isinstance(l, HeadWindowLayer):
+                rows.append(l.kept_keys(self.num_kv_heads))
+            else:
+                n = l.keys.shape[1] if l.is_initialized and l.keys.dim() == 4 else self.num_kv_heads
+                rows.append(torch.full((n,), l.size, dtype=torch.int64))
+        return torch.stack(rows)
+
     def nbytes(self) -> int:
         """Bytes of the keys and values held now."""
-        return sum(t.numel() * t.element_size() for l in self.layers if l.is_initialized
-                   for t in (l.keys, l.values))
+        return sum(l.nbytes() if isinstance(l, HeadWindowLayer) else
+                   sum(t.numel() * t.element_size() for t in (l.keys, l.values)) if l.is_initialized else 0
+                   for l in self.layers)
 
 
 def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, cu_seqlens: Optional[Tensor] = None,
@@ -348,6 +346,13 @@ def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, c
     for layer, (k, v), positional in zip(cache.layers, pairs, positionals):
         rows = document_rows(k, v, cu_seqlens=cu_seqlens, document_ids=document_ids)
         keys, values, total, start, pads = left_padded_rows(rows, check_positional(positional, op=SEQUENCE_KINDS))
+        if isinstance(layer, HeadWindowLayer):
+            layer.lazy_initialization(keys, values)
+            layer.positional = positional
+            layer.store = HeadWindows(positional, certificate=layer.certificate, sinks=layer.sinks,
+                                      name=f"layer {layer.index}")
+            layer.store.fill(keys, values, start=start, pads=pads)
+            continue
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values, layer.total, layer.start = keys, values, total, start
         layer.pads, layer.positional = pads, positional

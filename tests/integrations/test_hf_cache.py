@@ -296,8 +296,11 @@ def test_window_scheme_generate_with_the_cache_equals_recomputation_holding_exac
     print(f"alibi-window: tokens equal {torch.equal(cached.sequences, plain.sequences)}, max logit diff {err:.1e}, "
           f"cache {cache.stats()}")
     assert torch.equal(cached.sequences, plain.sequences) and err < 1e-5
-    for st in cache.stats():
-        assert st["kept"] == st["bound"] == 13 and st["bound_per_head"] == WINDOWS and st["tokens"] == 30 + 11
+    for st in cache.stats():     # per KV head: the widest window of its query heads + 1 (query heads 2, 5 | 9, 13)
+        assert st["kept"] == st["bound"] == 14 and st["bound_per_head"] == WINDOWS and st["tokens"] == 30 + 11
+        assert st["kept_per_head"] == [6, 14]
+    assert cache.kept_keys().tolist() == [[6, 14], [6, 14]]
+    assert cache.nbytes() == 2 * 2 * (6 + 14) * 8 * 4          # layers x (k, v) x rows x d x fp32
 
 
 def test_window_scheme_chunked_decoding_equals_recomputation_at_every_position():
@@ -311,7 +314,7 @@ def test_window_scheme_chunked_decoding_equals_recomputation_at_every_position()
             c = min(chunks[i % len(chunks)], x.shape[1] - pos)
             got.append(model(x[:, pos:pos + c], cache=cache, use_cache=True).logits)
             pos, i = pos + c, i + 1
-            assert all(st["kept"] == min(pos, 13) for st in cache.stats())
+            assert all(st["kept_per_head"] == [min(pos, 6), min(pos, 14)] for st in cache.stats())
     err = float((torch.cat(got, 1) - want).abs().max())
     print(f"alibi-window: max |cached - full forward| over 200 positions = {err:.1e}")
     assert err < 1e-10
@@ -349,7 +352,7 @@ def test_packed_prefill_cache_continues_every_document_as_if_alone(scheme):
         assert torch.equal(got_toks[d], alone[1][0]) and torch.equal(got_toks[d], recomputed[1][0])
         assert max(errs) < 1e-10
     for st in cache.stats():
-        assert st["kept"] <= st["bound"] and (scheme == "poslsh" or st["kept"] == 13)
+        assert st["kept"] <= st["bound"] and (scheme == "poslsh" or st["kept_per_head"] == [6, 14])
 
 
 def test_packed_prefill_cache_refuses_mismatched_positionals():

@@ -8,7 +8,10 @@ directory). Tokens stream to stdout (transformers' ``TextStreamer``); greedy by 
 ``--sample`` with ``--temperature`` / ``--top-k`` / ``--top-p`` through transformers'
 ``GenerationConfig``. At the end a summary goes to stderr: prefill and decoding speed,
 and the cache: for poslsh / fixed_blocks models the keys each layer kept against its
-bound (:mod:`poslsh.integrations.hf_cache`), for the others the full cache.
+bound (:mod:`poslsh.integrations.hf_cache`), for alibi-window models the rows each KV head
+keeps (its own window) and, with ``--tol``, the certificate's worst bound on the dropped mass
+(``--policy``: widen | warn | raise; ``--sinks``: first positions kept exactly), for the others
+the full cache.
 """
 from __future__ import annotations
 
@@ -38,7 +41,10 @@ class GenerateConfig:
     seed: int = 0                     # seed of the sampler
     ignore_eos: bool = False          # keep generating after the end-of-text token
     prefill_chunk: int = 4096         # prompt tokens per forward pass (0 = the whole prompt at once)
-    cache: str = "auto"               # auto (bounded for poslsh/fixed_blocks) | full (DynamicCache) | none
+    cache: str = "auto"               # auto (bounded for poslsh/fixed_blocks, per head for alibi-window) | full | none
+    tol: float = 0.0                  # alibi-window: certify every step's dropped softmax mass <= tol (0 = off)
+    policy: str = "warn"              # a step over --tol: widen (keep more keys) | warn | raise
+    sinks: int = 0                    # alibi-window: keep the first k positions of the sequence exactly
     device: str = "auto"              # auto | cpu | cuda
     threads: int = 0                  # torch intra-op threads (0 = torch default)
 
@@ -56,7 +62,13 @@ class GenerateConfig:
                               f"{self.temperature}, {self.top_k}, {self.top_p}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"--prefill-chunk: must be >= 0, got {self.prefill_chunk}")
-        for name, allowed in (("cache", ("auto", "full", "none")), ("device", ("auto", "cpu", "cuda"))):
+        if not 0 <= self.tol < 1 or self.sinks < 0:
+            raise ConfigError(f"--tol must be in [0, 1) and --sinks >= 0, got {self.tol} and {self.sinks}")
+        if (self.tol or self.sinks) and self.cache != "auto":
+            raise ConfigError("--tol / --sinks: the certificate and sink keys belong to the per-head window cache "
+                              "(--cache auto)")
+        for name, allowed in (("cache", ("auto", "full", "none")), ("device", ("auto", "cpu", "cuda")),
+                              ("policy", ("widen", "warn", "raise"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.device == "cuda":
@@ -161,6 +173,16 @@ def cache_summary(cache) -> str:
     """One line about a cache after generation."""
     from poslsh.integrations.hf_cache import PoslshCache
 
+    if isinstance(cache, PoslshCache) and cache.stats()[0].get("kept_per_head") is not None:
+        st = cache.stats()
+        line = (f"per-head window cache: {st[0]['tokens']} tokens seen, rows per KV head {st[0]['kept_per_head']} "
+                f"(layer 0; its own window + 1), {cache.nbytes() / 2**20:.2f} MiB")
+        certs = [s["certificate"] for s in st if "certificate" in s]
+        if certs:
+            line += (f"; certificate: worst bound on the dropped mass {max(c['worst'] for c in certs):.2e}, "
+                     f"{sum(sum(c['exceeded']) for c in certs)} head-steps over tol, "
+                     f"{sum(sum(c['widened']) for c in certs)} widenings")
+        return line
     if isinstance(cache, PoslshCache):
         st = cache.stats()
         kept, bound = max(s["kept"] for s in st), max(s["bound"] or 0 for s in st)
@@ -190,6 +212,15 @@ def generate(cfg: GenerateConfig, model, tok) -> dict:
                            use_cache=cfg.cache != "none",
                            return_dict_in_generate=True)
     extra = {"cache": DynamicCache(config=model.config)} if cfg.cache == "full" else {}
+    if cfg.tol or cfg.sinks:
+        from poslsh.decoding import Certificate
+        from poslsh.integrations.hf_cache import WINDOW_SCHEMES, PoslshCache
+
+        if model.config._attn_implementation not in WINDOW_SCHEMES:
+            raise ConfigError(f"--tol / --sinks: only alibi-window models keep per-head windows, this model runs "
+                              f"{model.config._attn_implementation} (positional LSH keeps its own bound)")
+        cert = Certificate(cfg.tol, cfg.policy) if cfg.tol else None
+        extra = {"cache": PoslshCache(model, certificate=cert, sinks=cfg.sinks)}
     torch.manual_seed(cfg.seed)
     streamer = _TimedStreamer(tok)
     t0 = time.perf_counter()
@@ -217,6 +248,6 @@ def main(cfg: GenerateConfig) -> int:
     return 0
 
 
-COMMANDS = [Command("generate", "stream text from a trained model (bounded KV cache for poslsh / fixed blocks)",
+COMMANDS = [Command("generate", "stream text from a trained model (bounded KV cache: poslsh, fixed blocks, windows)",
                     GenerateConfig, {"default": GenerateConfig()}, "default", main,
                     preset_help={"default": "greedy, 64 new tokens, the bounded cache where the model has one"})]

@@ -57,7 +57,33 @@ def test_generate_from_a_saved_model_directory_with_sampling(run, tmp_path, caps
     assert "(poslsh)" in first.err and "bounded cache" in first.err
 
 
+def test_generate_with_per_head_windows_and_a_certificate(tmp_path_factory, run, capsys):
+    """An alibi-window run generates through the per-head window cache with a certificate (the summary says
+    so); greedy output equals generation without a cache; --tol on a poslsh run is a one-line error."""
+    cfg = tiny_cfg(tmp_path_factory.mktemp("genw"), method="alibi-w4", steps=3)
+    train(cfg, progress=False, evaluate=False)
+    args = ["generate", "--checkpoint", str(run_dir(cfg)), "--prompt", "The kernel driver module",
+            "--max-new-tokens", "10", "--ignore-eos", "--tol", "0.5", "--policy", "warn", "--sinks", "1"]
+    assert poslsh_main(args) == 0
+    err = capsys.readouterr().err
+    assert "per-head window cache" in err and "certificate: worst bound" in err
+    gcfg = GenerateConfig(checkpoint=str(run_dir(cfg)), prompt="The kernel driver module", max_new_tokens=10,
+                          ignore_eos=True)
+    model, tok, _ = load_for_generation(gcfg)
+    cached, plain = generate(gcfg, model, tok), generate(replace(gcfg, cache="none"), model, tok)
+    assert "per-head window cache" in cached["cache"]
+    assert torch.equal(cached["sequences"], plain["sequences"])
+    capsys.readouterr()
+    assert poslsh_main(["generate", "--checkpoint", str(run), "--prompt", "a", "--tol", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "only alibi-window models" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args,msg", [([], "exactly one of --checkpoint"),
+                                      (["--model", "x", "--prompt", "a", "--tol", "2"], "--tol must be in"),
+                                      (["--model", "x", "--prompt", "a", "--tol", "0.1", "--cache", "full"],
+                                       "(--cache auto)"),
+                                      (["--model", "x", "--prompt", "a", "--policy", "quiet"], "--policy"),
                                       (["--checkpoint", "x"], "exactly one of --prompt"),
                                       (["--model", "x", "--prompt-file", "/nonexistent"], "no such file"),
                                       (["--model", "x", "--prompt", "a", "--top-p", "0"], "top_p"),

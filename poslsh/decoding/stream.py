@@ -20,10 +20,10 @@ Size bound (:func:`cache_bound`): a block of a bin of width ``b`` holds at most 
 positions, so after a step a layer with partitions keeps ``p - first_needed(p) <= max_block - 1``
 keys, ``max_block = max_{h,t} ceil(b_{h,t})``, whatever the context length; eq. (4)
 (:func:`poslsh.theory.block_size_bound`) bounds the widest bin with high probability
-(:func:`cache_bound_whp`). A window keeps exactly ``min(p, max_h w_h)`` keys. A step of ``nq``
-new tokens attends to at most ``bound + nq`` keys. The cache is one tensor for all heads, so
-it holds the keys of the head that needs the most; ``per_head=True`` gives what each query
-head needs on its own (a head with a smaller window needs only ``w_h`` of the kept keys).
+(:func:`cache_bound_whp`). A shared window keeps exactly ``min(p, max_h w_h)`` keys. A step of
+``nq`` new tokens attends to at most ``bound + nq`` keys. One tensor for all heads holds the keys
+of the head that needs the most; ``per_head=True`` gives what each query head needs on its own,
+and an ALiBi window is stored that way (:mod:`.heads`: each KV head keeps ``w_j + 1`` rows).
 
 :class:`KVWindow` is the cache of one attention layer for one stream (all batch rows at the
 same positions); :func:`packed_windows` continues every document of a packed prefill as its
@@ -37,17 +37,19 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._compat import takes_slopes_too, warn_once
-from .attention import attend
-from .documents import make_documents
-from .ops import load_backends, registry
-from .positional import Positional, as_positions, check_positional
-from .theory import block_size_bound
+from .._compat import takes_slopes_too, warn_once
+from ..attention import attend
+from ..documents import make_documents
+from ..ops import load_backends, registry
+from ..positional import Positional, as_positions, check_positional
+from ..theory import block_size_bound
+from .heads import HeadWindows
 
 __all__ = ["Positional", "check_positional", "attend", "reach", "first_needed", "cache_bound",
            "cache_bound_whp", "span_backend", "KVWindow", "document_rows", "packed_windows"]
 
 SEQUENCE_KINDS = ("sequence", "window")     # the kinds a stream decodes with
+PER_HEAD_STORES = {"window": HeadWindows}   # ops whose kinds keep a store per head (looked up like the registry)
 
 
 def _stream_kind(positional, name: str = "positional") -> Positional:
@@ -106,31 +108,71 @@ def span_backend(backend: str, q: Tensor, op: str = "sequence") -> str:
 class KVWindow:
     """Bounded KV cache of one attention layer for one token stream.
 
-    Every batch row sits at the same positions. Keys and values of positions
-    ``[start, end)`` are kept; :meth:`step` appends a chunk, attends its queries to the
-    kept keys (``q_start = end``, ``k_start = start``), then drops every key before
-    :func:`first_needed` of the next position. The cache never exceeds :attr:`bound` keys
-    after a step, ``bound + nq`` during one (see the module docstring).
+    Every batch row sits at the same positions. With an :class:`~poslsh.AlibiWindow` (``per_head=True``,
+    the default) each KV head keeps its own window in a ring (:class:`~poslsh.decoding.heads.HeadWindows`:
+    ``sum_j (w_j + 1)`` rows, attended in place); otherwise (partitions, or ``per_head=False``) one tensor
+    holds the keys and values of positions ``[start, end)`` for every head: :meth:`step` appends a chunk,
+    attends its queries to the kept keys (``q_start = end``, ``k_start = start``), then drops every key
+    before :func:`first_needed` of the next position, never more than :attr:`bound` keys after a step,
+    ``bound + nq`` during one (see the module docstring).
 
     Args:
         positional: the layer's fixed :class:`Partitions` or :class:`AlibiWindow` (``Hq`` heads).
         scale: logit scale (default ``1 / sqrt(d)``).
         backend: backend of the op (one that accepts positions; others mean ``"auto"``).
+        per_head: per-head storage where the kind has one (a window); False: one shared tensor.
+        certificate: a :class:`~poslsh.decoding.Certificate` checked at every step (per-head windows only).
+        sinks: keep the first ``sinks`` positions exactly (per-head windows only).
     """
 
-    def __init__(self, positional: Positional, *, scale: Optional[float] = None, backend: str = "auto"):
+    def __init__(self, positional: Positional, *, scale: Optional[float] = None, backend: str = "auto",
+                 per_head: bool = True, certificate=None, sinks: int = 0):
         self.positional, self.scale, self.backend = _stream_kind(positional), scale, backend
         self.op = positional.op
-        self.k: Optional[Tensor] = None      # [B, Hkv, end - start, d]
-        self.v: Optional[Tensor] = None      # [B, Hkv, end - start, dv]
-        self.start = 0                       # position of the first kept key
+        store = PER_HEAD_STORES.get(positional.op) if per_head else None
+        if store is None and (certificate is not None or sinks):
+            raise ValueError("certificate / sinks: only a per-head window cache checks a certificate or keeps sink "
+                             "keys: pass a poslsh.AlibiWindow with per_head=True (positional LSH keeps its own bound)")
+        self.store = None if store is None else store(positional, scale=scale, certificate=certificate, sinks=sinks,
+                                                      backend=span_backend(backend, torch.empty(0), self.op))
+        self._k: Optional[Tensor] = None     # [B, Hkv, end - start, d] (shared storage only)
+        self._v: Optional[Tensor] = None     # [B, Hkv, end - start, dv]
+        self.start = 0                       # position of the first kept key (per head: of the widest ring)
         self.end = 0                         # tokens seen = position of the next query
         self.peak = 0                        # most keys a step attended to
         self.bound = positional.cache_bound()
 
     @property
+    def k(self) -> Optional[Tensor]:
+        """``[B, Hkv, end - start, d]``: the kept keys (shared storage). Per-head storage has no such tensor:
+        for one release this builds it (a copy, zero where a head holds fewer) with a deprecation warning."""
+        return self._k if self.store is None else self._one_tensor()[0]
+
+    @k.setter
+    def k(self, value: Optional[Tensor]) -> None:
+        self._k = value
+
+    @property
+    def v(self) -> Optional[Tensor]:
+        """``[B, Hkv, end - start, dv]``: the kept values (see :attr:`k`)."""
+        return self._v if self.store is None else self._one_tensor()[1]
+
+    @v.setter
+    def v(self, value: Optional[Tensor]) -> None:
+        self._v = value
+
+    def _one_tensor(self):
+        warn_once("poslsh.decoding.KVWindow.k", "KVWindow.k / .v of a window cache: windows are stored per head "
+                  "(kept_keys(), nbytes()); the one [B, Hkv, size, d] tensor is built as a copy for one release; "
+                  "KVWindow(window, per_head=False) keeps it")
+        if self.store.K is None:
+            return None, None
+        return self.store.ordered(self.size)
+
+    @property
     def size(self) -> int:
-        """Keys kept now (``end - start``), for every head."""
+        """Keys kept now (``end - start``): for every head, or (per-head storage) by the widest ring, which
+        holds ``min(end, w + 1)``."""
         return self.end - self.start
 
     @property
@@ -138,18 +180,39 @@ class KVWindow:
         """Of the kept keys, how many each query head can still see (``<= size``)."""
         return [self.end - int(f) for f in self.positional.first_needed([self.end], per_head=True)[:, 0]]
 
+    def kept_keys(self) -> Tensor:
+        """Keys each KV head holds now: LongTensor ``[Hkv]``."""
+        if self.store is not None:
+            return self.store.kept_keys()
+        return torch.full((0 if self._k is None else self._k.shape[1],), self.size, dtype=torch.int64)
+
+    def nbytes(self) -> int:
+        """Bytes of the key/value storage."""
+        if self.store is not None:
+            return self.store.nbytes()
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
+
+    def _sync(self) -> None:
+        st = self.store
+        self.end, self.peak = st.total, st.peak
+        self.start = self.end - (int(st.kept_keys().max()) if st.K is not None and st.Hkv else 0)
+
     @classmethod
     def from_prefill(cls, positional: Positional, k: Tensor, v: Tensor, *, start: int = 0,
-                     scale: Optional[float] = None, backend: str = "auto") -> "KVWindow":
+                     scale: Optional[float] = None, backend: str = "auto", **options) -> "KVWindow":
         """Continue a stream whose keys and values at positions ``[start, start + nk)`` are
         ``k [B, Hkv, nk, d]``, ``v [B, Hkv, nk, dv]`` (a prefill computed elsewhere, e.g.
-        packed): keeps a copy of only the keys the next query can need."""
-        win = cls(positional, scale=scale, backend=backend)
+        packed): keeps a copy of only the keys the next query can need. ``options``: as for the class."""
+        win = cls(positional, scale=scale, backend=backend, **options)
         end = start + k.shape[2]
         keep_from = int(win.positional.first_needed([end])[0])
         if start > keep_from:
             raise ValueError(f"k: the keys start at position {start} but the next query, at {end}, can see keys "
                              f"from {keep_from}: pass the prefill's keys from position {keep_from} or earlier")
+        if win.store is not None:
+            win.store.fill(k, v, start=start)
+            win._sync()
+            return win
         win.k, win.v = (t[:, :, keep_from - start:].clone() for t in (k, v))
         win.start, win.end = keep_from, end
         return win
@@ -166,6 +229,10 @@ class KVWindow:
         """
         if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
             raise ValueError(f"q, k, v must hold the same nq new tokens, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+        if self.store is not None:
+            out = self.store.attend(q, k, v)
+            self._sync()
+            return out
         if self.k is not None and (k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype):
             raise ValueError(f"k: got [B, Hkv] = {list(k.shape[:2])} / {k.dtype}, the window holds "
                              f"{list(self.k.shape[:2])} / {self.k.dtype}: use one KVWindow per stream and layer")
@@ -180,7 +247,10 @@ class KVWindow:
         return out
 
     def evict(self) -> int:
-        """Drop the keys no query at ``end`` or later can see; returns how many were dropped."""
+        """Drop the keys no query at ``end`` or later can see; returns how many were dropped (shared storage;
+        per-head rings overwrite their dead key at the next step)."""
+        if self.store is not None:
+            return 0
         keep_from = max(self.start, int(self.positional.first_needed([self.end])[0]))
         drop = keep_from - self.start
         if drop > 0:
