@@ -74,13 +74,14 @@ from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_caus
                        padded_self_attention, window_mask)
 from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
 from .hf_alibi import alibi_stats, patch_alibi
+from .hf_alibi_cache import alibi_cache
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
            "layer_positional", "PoslshCache", "generation_cache",
-           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats"]
+           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache"]
 
 log = logging.getLogger("poslsh.integrations.hf")
 STEP_KWARG = "poslsh_step"

@@ -29,6 +29,7 @@ from . import require_transformers
 require_transformers()
 
 from .hf_alibi_attend import PACKED, row_mask_builder  # noqa: E402
+from .hf_alibi_cache import enable_alibi_generation_cache  # noqa: E402
 from .hf_alibi_layer import LayerAlibi  # noqa: E402
 from .hf_alibi_models import family_of, layer_slopes  # noqa: E402
 from .hf_masks import documents_from_positions  # noqa: E402
@@ -168,6 +169,7 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
     for m in {id(x): x for x in [model, *bases]}.values():
         m.config._attn_implementation = IMPLEMENTATION
         _install_hooks(m)
+    enable_alibi_generation_cache(model)
     model._poslsh_alibi_args = dict(window=window, tol=tol, num_samples=num_samples, seed=seed, backend=backend,
                                     falcon_bias=falcon_bias)
     return model

@@ -63,6 +63,16 @@ def row_mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     if kwargs.get("use_vmap", False):
         raise ValueError("attention_mask: a patched ALiBi model takes causal padding masks only (a custom mask "
                          "function was given)")
+    if isinstance(kv_offset, int) and kv_offset > 0 and kv_length == q_length:
+        # a per-head window cache (hf_alibi_cache): the layers attend through it and read only which of
+        # this step's tokens are real
+        valid = None
+        if attention_mask is not None:
+            valid = attention_mask.to(torch.bool)[:, kv_offset:kv_offset + q_length]
+            if valid.shape[-1] != q_length:
+                raise ValueError(f"attention_mask: {attention_mask.shape[-1]} columns for {kv_offset + q_length} "
+                                 "tokens")
+        return RowMask(valid, None, int(q_length), int(kv_length), None)
     if not isinstance(kv_offset, int) or kv_offset != 0 or not isinstance(q_offset, int) \
             or kv_length != q_offset + q_length:
         raise ValueError(f"cache: a patched ALiBi model needs a cache holding exactly the past keys, then the "

@@ -22,6 +22,7 @@ from ..seeding import stable_seed
 from ..window.kind import NO_WINDOW, make_window
 from ..window.theory import smallest_window
 from .hf_alibi_attend import attend_rows, update_kv
+from .hf_alibi_cache import attend_cached, windowed_cache_of
 
 __all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
 
@@ -118,6 +119,12 @@ def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cac
     """A patched layer's attention: the key/value step, then every row at its own positions with the
     layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``[B, Hq, nq, dv]``."""
     st: LayerAlibi = module._poslsh_alibi
+    windowed = windowed_cache_of(cache)
+    if windowed is not None:            # a per-head window cache stores the keys and attends itself
+        if module.training and dropout:
+            raise ValueError("cache: a per-head window cache decodes in eval mode (attention dropout is on); "
+                             "call model.eval()")
+        return attend_cached(windowed, st, module.layer_idx, query, key, value, mask)
     key, value, k_first = update_kv(cache, key, value, module.layer_idx)
     positional = st.positional_for(query, key)
     p = float(dropout) if module.training else 0.0
