@@ -19,13 +19,15 @@ Methods: ``eager`` (transformers as it is: BLOOM's ``baddbmm`` and MPT's ``matmu
 ``n x n`` score), ``exact`` (``patch_alibi(model)``: exact ALiBi through the window op) and
 ``certified`` (``patch_alibi(model, window="certified", tol=1e-3)``: per call and head the
 smallest window whose bound on the dropped softmax mass is ``<= tol``; the windows chosen are
-reported). Time: the methods of one size timed in interleaved rounds, the best kept
+reported). Part ``floor`` times eager against ``patch_alibi(model, window=0)`` (each query sees its
+own key only) at the second BLOOM size: the model's own projections, MLP and norms with almost no
+attention, the floor under any attention method's time there. Time: the methods of one size timed in interleaved rounds, the best kept
 (:func:`bench_common.best_of_rounds`), in this process; the load before and after each size.
 Peak memory: each (method, size) runs one forward in a fresh subprocess (this script with
 ``--worker``): after the model is built its peak resident set is restarted (``/proc/self/clear_refs``),
 and the peak of the forward (``VmHWM``: the interpreter, torch, transformers and the weights
 included) and the resident set before it are reported (building the model peaks higher than a
-short forward; that peak, ``ru_maxrss``, is kept as ``process_peak_gib``);the
+short forward; that peak, ``ru_maxrss``, is kept as ``process_peak_gib``); the
 32k and MPT 16k rows are timed by that one forward only. Where eager cannot run (its score
 tensors exceed the machine), what it would need is given by arithmetic: BLOOM holds three
 ``[H, n, n]`` float32 tensors at once (scores, scores plus mask, probabilities) and the float causal
@@ -51,6 +53,7 @@ from bench_common import ROOT, best_of_rounds, machine, markdown_table, peak_rss
 
 TOL = 1e-3
 METHODS = ("eager", "exact", "certified")
+EXTRA_METHODS = ("floor",)
 SHAPES = {   # family: (width, heads, layers of the real model)
     "bloom": (1024, 16, 24),
     "mpt": (4096, 32, 32),
@@ -81,7 +84,9 @@ def prepare(model, method: str):
         return patch_alibi(model)
     if method == "certified":
         return patch_alibi(model, window="certified", tol=TOL)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "floor":
+        return patch_alibi(model, window=0)
+    raise ValueError(f"method must be one of {METHODS + EXTRA_METHODS}, got {method!r}")
 
 
 def inputs(n: int, vocab: int):
@@ -164,7 +169,8 @@ def run_worker(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- rows
 
-def timed_size(family: str, n: int, layers: int, args, methods=METHODS, max_seq_len: int = 4096) -> list:
+def timed_size(family: str, n: int, layers: int, args, methods=METHODS, max_seq_len: int = 4096,
+               rounds: int = 0) -> list:
     """The methods at ``n``: interleaved timing here, peak memory in fresh processes."""
     import torch
 
@@ -174,7 +180,8 @@ def timed_size(family: str, n: int, layers: int, args, methods=METHODS, max_seq_
     outs = {m: forward(models[m], ids) for m in methods}          # also the warm-up call
     diff = {m: float((outs[m] - outs["eager"]).abs().max()) for m in methods if "eager" in outs and m != "eager"}
     del outs
-    t = best_of_rounds({m: (lambda m=m: forward(models[m], ids)) for m in methods}, rounds=args.rounds, warmup=0)
+    rounds = rounds or args.rounds
+    t = best_of_rounds({m: (lambda m=m: forward(models[m], ids)) for m in methods}, rounds=rounds, warmup=0)
     wins = {m: windows(models[m], m) for m in methods}
     del models
     load1 = os.getloadavg()[0]
@@ -183,7 +190,7 @@ def timed_size(family: str, n: int, layers: int, args, methods=METHODS, max_seq_
         mem = (run_worker(dict(family=family, method=m, n=n, layers=layers, vocab=args.vocab, max_seq_len=max_seq_len,
                                threads=args.threads)) if not args.no_memory else {})
         rows.append(dict(family=family, n=n, layers=layers, method=m, seconds=t[m]["best"], median=t[m]["median"],
-                         rounds=args.rounds, timed="best of interleaved rounds", load_before=load0, load_after=load1,
+                         rounds=rounds, timed="best of interleaved rounds", load_before=load0, load_after=load1,
                          threads=torch.get_num_threads(), max_abs_diff_to_eager=diff.get(m),
                          peak_rss_gib=mem.get("peak_rss_gib"), rss_before_gib=mem.get("rss_before_gib"),
                          windows=wins[m] or mem.get("windows"), eager_tensors_gib=eager_needs_gib(family, n)))
@@ -228,13 +235,27 @@ def part_bloom32k(args) -> list:
 
 
 def part_mpt(args) -> list:
-    rows = timed_size("mpt", args.mpt_n, args.mpt_layers, args, max_seq_len=max(args.mpt_n, 2048))
+    rows = timed_size("mpt", args.mpt_n, args.mpt_layers, args, max_seq_len=max(args.mpt_n, 2048),
+                      rounds=args.mpt_rounds)
     for m in args.mpt_long_methods:
         rows.append(single_run("mpt", args.mpt_long_n, args.mpt_layers, m, args, max_seq_len=2048))
     return rows
 
 
-PARTS = {"bloom": part_bloom, "bloom32k": part_bloom32k, "mpt": part_mpt}
+def part_bloom32k_24(args) -> list:
+    """The certified window at 32k with all 24 layers of BLOOM-560m: the peak measured, not added up."""
+    r = single_run("bloom", args.long_n, SHAPES["bloom"][2], "certified", args)
+    r["peak_24_layers_gib"] = r["peak_rss_gib"]
+    return [r]
+
+
+def part_floor(args) -> list:
+    n, layers = map(int, args.bloom_layers[min(1, len(args.bloom_layers) - 1)].split(":"))
+    return timed_size("bloom", n, layers, args, methods=("eager", "floor"))
+
+
+PARTS = {"bloom": part_bloom, "bloom32k": part_bloom32k, "mpt": part_mpt, "floor": part_floor,
+         "bloom32k-24": part_bloom32k_24}
 
 
 def table(rows: list) -> str:
@@ -246,6 +267,8 @@ def table(rows: list) -> str:
         mem = (f"{r['peak_rss_gib'] / e['peak_rss_gib']:.2f}" if e and r["method"] != "eager" and r["peak_rss_gib"]
                and e["peak_rss_gib"] else "—")
         w = r.get("windows")
+        if r["method"] == "floor":
+            w = None
         out.append([r["family"], f"{r['n']:,}", r["layers"], r["method"], f"{r['seconds']:.2f}", speed,
                     f"{r['peak_rss_gib']:.2f}" if r["peak_rss_gib"] else "—", mem,
                     f"{r['eager_tensors_gib']:.1f}", f"{w['mean_keys_per_head']:.0f}" if w else "—",
@@ -256,7 +279,8 @@ def table(rows: list) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=[*PARTS, "all"], default="all")
+    p.add_argument("--part", choices=[*PARTS, "all"], default="all",
+                   help="all: every part but bloom32k-24 (24 layers at 32k: half an hour here)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round: checks the script runs")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024, help="vocabulary of the shrunk models")
@@ -266,9 +290,10 @@ def main():
     p.add_argument("--long-layers", type=int, default=1, help="layers of the 32k BLOOM rows")
     p.add_argument("--check-layers", action="store_true", help="also the 32k certified row with one more layer")
     p.add_argument("--mpt-layers", type=int, default=1)
+    p.add_argument("--mpt-rounds", type=int, default=1, help="timed rounds at --mpt-n (after one warm-up)")
     p.add_argument("--mpt-n", type=int, default=4096, help="MPT size where eager runs too")
     p.add_argument("--mpt-long-n", type=int, default=16384)
-    p.add_argument("--mpt-long-methods", nargs="*", default=["certified", "exact"])
+    p.add_argument("--mpt-long-methods", nargs="*", default=["certified"])
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=str(ROOT / "outputs" / "alibi-models" / "bench.json"))
@@ -286,7 +311,7 @@ def main():
         args.mpt_long_methods = ["certified"]
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"parts": {}}
-    for name in (PARTS if args.part == "all" else [args.part]):
+    for name in ([p for p in PARTS if p != "bloom32k-24"] if args.part == "all" else [args.part]):
         start, m0 = time.time(), machine()
         print(f"{name}: {m0}", flush=True)
         rows = PARTS[name](args)
