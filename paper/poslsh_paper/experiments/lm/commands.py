@@ -172,7 +172,8 @@ def _print_eval(res: dict, streaming: bool) -> None:
             print(f"  positions [{b['from']}, {b['to']}): ppl {b['ppl']:.3f}  acc {b['acc']:.2f}%")
         return
     for k, r in res["eval"].items():
-        print(f"{k} (context {r['context']}): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%")
+        print(f"{k} (context {r['context']}): " + (r["skipped"] if "skipped" in r else
+                                                     f"ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%"))
 
 
 def table_main(cmd: TableCommand) -> int:
