@@ -29,7 +29,7 @@ __all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand
 
 @dataclass
 class ModelConfig:
-    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA; "bloom": transformers' BloomForCausalLM, random init, its own ALiBi (train --method original; evaluate as alibi, alibi-tol1e-<k>, alibi-wcost<s>, poslsh-s<k> through patch_alibi)
+    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA; "bloom": transformers' BloomForCausalLM, random init, its own ALiBi (trained as method original, evaluated as alibi, alibi-tol1e-<k>, alibi-wcost<s>, poslsh-s<k> through patch_alibi)
     base: str = "smollm2"             # lora base: "smollm2" or a local Hugging Face model directory
     hidden_size: int = 128            # scratch: model width
     num_layers: int = 4               # scratch: decoder layers
