@@ -68,6 +68,20 @@ def patched_stats(model) -> Optional[list]:
         return None
 
 
+def library_version() -> dict:
+    """Which ``poslsh`` evaluated: its directory and that checkout's git commit (None outside git)."""
+    import subprocess
+
+    import poslsh
+    where = Path(poslsh.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        head = None
+    return {"path": str(where), "commit": head}
+
+
 def evaluate_as(cfg: TrainConfig, method: str, seed: int, progress: bool = False) -> dict:
     """Evaluate the trained BLOOM of ``seed`` as ``method``; the result is written to :func:`eval_path`."""
     from poslsh_paper.experiments.checkpoints import latest_checkpoint
@@ -75,17 +89,22 @@ def evaluate_as(cfg: TrainConfig, method: str, seed: int, progress: bool = False
     from poslsh_paper.experiments.lm.evaluation import evaluate
     from poslsh_paper.experiments.lm.model import Dist, build_model, load_data, trainable_parameters
 
+    from poslsh.threads import intra_op_threads
+
     run = replace(cfg, method=method, seed=seed)
     check(run)
     ckpt = latest_checkpoint(trained_run(cfg, seed))
     dist = Dist(cfg.device)
-    data = load_data(run, dist)
-    model = build_model(run, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
-    load_strict(ckpt, trainable_parameters(model), run)
-    load, t0 = os.getloadavg()[0], time.perf_counter()
-    res = {"method": method, "seed": seed, "pack": False, "documents": False, "checkpoint": str(ckpt),
-           "split": cfg.eval_split, "eval": evaluate(model, data.splits[cfg.eval_split], run, dist, progress=progress)}
+    with intra_op_threads(cfg.threads):
+        data = load_data(run, dist)
+        model = build_model(run, data.vocab_size, data.tokenizer.separator_id).to(dist.device)
+        load_strict(ckpt, trainable_parameters(model), run)
+        load, t0 = os.getloadavg()[0], time.perf_counter()
+        res = {"method": method, "seed": seed, "pack": False, "documents": False, "checkpoint": str(ckpt),
+               "split": cfg.eval_split,
+               "eval": evaluate(model, data.splits[cfg.eval_split], run, dist, progress=progress)}
     res.update(seconds=round(time.perf_counter() - t0, 1), machine=machine(), load_start=round(load, 2),
+               load_end=round(os.getloadavg()[0], 2), threads=cfg.threads, library=library_version(),
                attention=patched_stats(model))
     atomic_write_text(eval_path(cfg, method, seed), json.dumps(res, indent=1))
     return res
