@@ -155,7 +155,7 @@ def _gaps(a: dict, b: dict) -> List[float]:
 
 
 def _pct(gaps: List[float]) -> str:
-    return ", ".join(f"{g:+.3f}%" for g in gaps)
+    return ", ".join(f"{g:+.4f}%" for g in gaps)
 
 
 def bloom_findings(rows: List[dict]) -> List[str]:
@@ -173,23 +173,23 @@ def bloom_findings(rows: List[dict]) -> List[str]:
                 out.append(f"Extrapolation, exact ALiBi at context {r['context']}: PPL {r['ppl_mean']:.3f} against "
                            f"{base['ppl_mean']:.3f} at the training length {base['context']}, {verdict} it in every "
                            f"seed ({_pct(g)}).")
-    for m in sorted({r["method"] for r in rows} - {"alibi", "original"}):
-        parts = []
+    for m in [m for m in dict.fromkeys(r["method"] for r in rows) if m not in ("alibi", "original")]:
+        parts, worst = [], 0.0
         for k in lengths:
             a, b = _get(rows, m, k), _get(rows, "alibi", k)
             if a and b:
                 g = _gaps(a, b)
+                worst = max([worst] + [abs(x) for x in g])
                 parts.append(f"{a['context']}: {_pct(g)}")
         if parts:
-            worst = max(abs(float(p.split(": ")[1].split("%")[0])) for p in ", ".join(parts).split(", ") if ": " in p)
-            same = "within" if worst <= SAME else "not within"
-            out.append(f"{label(m)} against exact ALiBi, PPL per seed by context ({'; '.join(parts)}): {same} "
-                       f"{SAME}% at every length.")
+            same = "within" if worst <= SAME else "NOT within"
+            out.append(f"{label(m)} against exact ALiBi, PPL change per seed by context ({'; '.join(parts)}): "
+                       f"{same} {SAME}% at every length (largest {worst:.3f}%).")
     eager = [(_get(rows, "original", k), _get(rows, "alibi", k)) for k in lengths]
     g = [abs(x) for a, b in eager if a and b for x in _gaps(b, a)]
     if g:
-        out.append(f"patch_alibi exact against transformers' eager BLOOM where eager ran: largest PPL difference "
-                   f"{max(g):.2e}% (the same numbers to float32 rounding).")
+        out.append(f"patch_alibi exact against transformers' eager BLOOM at every context eager ran: largest PPL "
+                   f"difference {max(g):.1e}%.")
     return out
 
 
@@ -219,9 +219,43 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
               f"Mean over seeds, then each seed's PPL (seeds {' / '.join(map(str, seeds))}).", ""]
     skipped = {r["skipped"] for r in rows if r.get("skipped")}
     lines += [f"- {s}" for s in sorted(skipped)] + ([""] if skipped else [])
+    lines += _windows_and_seconds(rows, meta.get("windows") or {})
     if meta.get("findings"):
         lines += ["## Findings, as measured", ""] + [f"- {f}" for f in meta["findings"]] + [""]
     return "\n".join(lines)
+
+
+def windows_of(records: List[dict]) -> Dict[str, list]:
+    """``{method: [[window per head] per layer]}`` of the first seed's patched runs that used windows
+    (certified: those of the last, longest call)."""
+    out = {}
+    for r in sorted(records, key=lambda r: r["seed"]):
+        st = r.get("attention") or []
+        if r["method"] not in out and st and st[0].get("window") is not None:
+            out[r["method"]] = [x["window"] for x in st]
+    return out
+
+
+def _windows_and_seconds(rows: List[dict], windows: Dict[str, list]) -> List[str]:
+    lines = []
+    for m, w in windows.items():
+        same = all(x == w[0] for x in w)
+        lines.append(f"- {label(m)}: windows per head " + (f"{w[0]} in every layer" if same else
+                     "; ".join(f"layer {i}: {x}" for i, x in enumerate(w))) + ".")
+    lengths = sorted({r["length"] for r in rows}, key=lambda s: int(s[:-1]))
+    ctx = {r["length"]: r["context"] for r in rows}
+    body = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        cells = [label(m)]
+        for k in lengths:
+            r = next((r for r in rows if r["method"] == m and r["length"] == k and "seconds_by_seed" in r), None)
+            cells.append(" / ".join(f"{v:.0f}" for v in r["seconds_by_seed"].values()) if r else "")
+        body.append(cells)
+    if lines:
+        lines.append("")
+    return lines + ["Evaluation wall seconds per context (each seed; one thread per run, on the shared machine named "
+                    "above: indicative only):", "", markdown_table(["Attention"] + [f"@{ctx[k]}" for k in lengths],
+                                                                    body), ""]
 
 
 def run_bloom_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int], results_dir: Path, *,
@@ -249,7 +283,7 @@ def run_bloom_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[in
     machines = sorted({r["machine"] for r in records if r.get("machine")})
     meta = {"title": f"Train short, test long on transformers' BLOOM: preset `{cfg.preset}`",
             "command": f"`{command}`" if command else "", **describe(cfg, records), "findings": found,
-            "machine": "; ".join(machines)}
+            "machine": "; ".join(machines), "windows": windows_of(records)}
     meta["evaluation"] = (f"{cfg.eval_split} split; at every context the same {rows[0].get('tokens', 0):,} target "
                           f"tokens, each scored as one of the last {cfg.seq_len} of a window of that context (so "
                           f"each has at least context - {cfg.seq_len} tokens before it); positional LSH with fixed "
