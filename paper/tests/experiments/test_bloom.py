@@ -154,3 +154,15 @@ def test_table_end_to_end(tmp_path):
     assert (d / "runs" / "seed0" / "alibi-wcost10.json").is_file()
     assert "Findings, as measured" in (d / "table.md").read_text()
     assert (run_dir(replace(cfg, method="original")) / "eval-test-as-alibi.json").is_file()
+
+
+@needs_patch
+def test_table_evaluates_again_under_other_settings(tmp_path):
+    """A record made with other evaluation settings is not this table's: the trained model is evaluated again."""
+    cfg = tiny(tmp_path, steps=2, seeds=(0,), methods=("original", "alibi"))
+    bloom_table.run_bloom_table(cfg, cfg.methods, cfg.seeds, tmp_path / "out", progress=False)
+    assert not bloom_table.eval_path(cfg, "original", 0).exists()          # the run's own result.json stood in
+    other = replace(cfg, eval_tokens=64)
+    recs = bloom_table.run_bloom_table(other, other.methods, other.seeds, tmp_path / "out", progress=False)
+    assert {r["eval"]["1x"]["tokens"] for r in recs} == {64}
+    assert json.loads(bloom_table.eval_path(cfg, "original", 0).read_text())["eval_settings"]["eval_tokens"] == 64

@@ -101,7 +101,7 @@ def evaluate_as(cfg: TrainConfig, method: str, seed: int, progress: bool = False
         load_strict(ckpt, trainable_parameters(model), run)
         load, t0 = os.getloadavg()[0], time.perf_counter()
         res = {"method": method, "seed": seed, "pack": False, "documents": False, "checkpoint": str(ckpt),
-               "split": cfg.eval_split,
+               "split": cfg.eval_split, "eval_settings": eval_settings(cfg),
                "eval": evaluate(model, data.splits[cfg.eval_split], run, dist, progress=progress)}
     res.update(seconds=round(time.perf_counter() - t0, 1), machine=machine(), load_start=round(load, 2),
                load_end=round(os.getloadavg()[0], 2), threads=cfg.threads, library=library_version(),
@@ -110,13 +110,36 @@ def evaluate_as(cfg: TrainConfig, method: str, seed: int, progress: bool = False
     return res
 
 
+EVAL_FIELDS = ("eval_split", "eval_tokens", "eval_multipliers", "eval_full_context")
+
+
+def eval_settings(cfg) -> dict:
+    """What decides an evaluation's numbers besides the weights and the method (a record of other settings
+    is not this table's: it is evaluated again)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(cfg, k)) for k in EVAL_FIELDS)}
+
+
+def _record(cfg: TrainConfig, method: str, seed: int) -> Optional[tuple]:
+    """``(path, record)`` of ``method`` x ``seed`` evaluated with this table's settings, or None. The trained
+    run's own ``result.json`` stands for ``original`` when its recorded evaluation settings are the table's."""
+    r = read_json(eval_path(cfg, method, seed))
+    if r and r.get("eval") and r.get("eval_settings") == eval_settings(cfg):
+        return eval_path(cfg, method, seed), r
+    if method == "original":
+        path = trained_run(cfg, seed) / "result.json"
+        r = read_json(path)
+        if r and r.get("eval") and {k: (r.get("config") or {}).get(k) for k in EVAL_FIELDS} == eval_settings(cfg):
+            return path, r
+    return None
+
+
 def collect(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[int]) -> List[dict]:
-    """``[{"method", "seed", "eval", ...}]`` of the finished runs and evaluations."""
+    """``[{"method", "seed", "eval", ...}]`` of the finished runs and evaluations of this table's settings."""
     out = []
     for seed in seeds:
         for m in methods:
-            path = trained_run(cfg, seed) / "result.json" if m == "original" else eval_path(cfg, m, seed)
-            r = read_json(path)
+            found = _record(cfg, m, seed)
+            path, r = found if found else (None, None)
             if r and r.get("eval"):
                 out.append({**{k: v for k, v in r.items() if k != "config"}, "method": m, "seed": seed,
                             "file": str(path)})
@@ -270,7 +293,7 @@ def run_bloom_table(cfg: TrainConfig, methods: Sequence[str], seeds: Sequence[in
             if read_json(trained_run(cfg, seed) / "result.json") is None:
                 train(replace(cfg, method="original", seed=seed), resume=True, progress=progress)
             for m in methods:
-                if m != "original" and read_json(eval_path(cfg, m, seed)) is None:
+                if _record(cfg, m, seed) is None:
                     if progress:
                         print(f"evaluating seed {seed} as {m}", file=sys.stderr)
                     evaluate_as(cfg, m, seed, progress=progress)
