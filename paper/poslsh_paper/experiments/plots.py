@@ -12,7 +12,7 @@ from poslsh.alibi import alibi_matrix
 from poslsh_paper.io import atomic_savefig
 from poslsh.partitions import sample_partitions
 
-__all__ = ["plot_figure1", "plot_convergence"]
+__all__ = ["plot_figure1", "plot_convergence", "plot_ppl_vs_context"]
 
 
 def _pyplot():
@@ -125,6 +125,40 @@ def plot_convergence(result: dict, path) -> Path:
     fig.suptitle(f"{model}: {len(result.get('inputs', []))} inputs of n={cfg['n']} tokens, "
                  f"{cfg['rope']}-RoPE Q/K/V; shaded: mean ± std over inputs; dashed: Theorem 2.1", fontsize=10)
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.14, top=0.84, wspace=0.22)
+    _save(fig, Path(path))
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_ppl_vs_context(rows, path, title: str = "") -> Path:
+    """Perplexity against evaluation context (log2 axis), one line per way of running the attention
+    (the mean over seeds; each seed's value as a small marker); lengths a mode did not run are absent."""
+    plt = _pyplot()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    styles = ["o-", "s--", "^-.", "v:", "D-", "x--"]
+    colors = {m: plt.get_cmap("viridis")(x) for m, x in zip(methods, np.linspace(0.0, 0.85, len(methods)))}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, m in enumerate(methods):
+        done = sorted((r for r in rows if r["method"] == m and "ppl_by_seed" in r), key=lambda r: r["context"])
+        if not done:
+            continue
+        x = [r["context"] for r in done]
+        ax.plot(x, [r["ppl_mean"] for r in done], styles[i % len(styles)], color=colors[m], lw=1.5, ms=4,
+                label=done[0]["label"])
+        for r in done:
+            vals = list(r["ppl_by_seed"].values())
+            ax.plot([r["context"]] * len(vals), vals, ".", color=colors[m], ms=3, alpha=0.6)
+    contexts = sorted({r["context"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts)
+    ax.set_xticklabels([f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("evaluation context (tokens; trained at the first)")
+    ax.set_ylabel("perplexity (mean over seeds; dots: each seed)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
     _save(fig, Path(path))
     plt.close(fig)
     return Path(path)

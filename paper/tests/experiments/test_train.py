@@ -64,9 +64,9 @@ def final_params(cfg):
 
 # ------------------------------------------------------------------ config
 def test_methods_and_presets():
-    assert parse_method("poslsh-s20") == ("poslsh", 20, "iid", None, None, None)
+    assert parse_method("poslsh-s20") == ("poslsh", 20, "iid", None, None, None, None)
     assert parse_method("poslsh-s20").num_samples == 20 and parse_method("alibi").scheme == "alibi"
-    assert parse_method("original") == ("original", 1, "iid", None, None, None)
+    assert parse_method("original") == ("original", 1, "iid", None, None, None, None)
     assert parse_method("poslsh-s20").sampler == "iid"
     assert parse_method("poslsh-g20")[:4] == ("poslsh", 20, "grouped", None)
     assert parse_method("poslsh-g20k5")[:4] == ("poslsh", 20, "grouped", 5)

@@ -23,9 +23,9 @@ from test_train import final_params, tiny_cfg  # noqa: E402
 
 
 def test_window_method_names_and_labels(tmp_path):
-    assert parse_method("alibi-w4") == ("alibi-window", 1, "iid", None, 4.0, None)
+    assert parse_method("alibi-w4") == ("alibi-window", 1, "iid", None, 4.0, None, None)
     assert parse_method("alibi-w2.5").window_sigmas == 2.5 and parse_method("alibi-w0.5").window_sigmas == 0.5
-    assert parse_method("alibi-wcost10") == ("alibi-window", 1, "iid", None, None, 10)
+    assert parse_method("alibi-wcost10") == ("alibi-window", 1, "iid", None, None, 10, None)
     assert method_label("alibi-w4") == "ALiBi window 4σ" and method_label("alibi-w2.5") == "ALiBi window 2.5σ"
     assert method_label("alibi-wcost10") == "ALiBi window at the cost of s=10"
     # one name per method (a name becomes a run directory): no leading or trailing zeros, c > 0, s >= 1

@@ -130,7 +130,9 @@ def eval_main(cmd: EvalCommand) -> int:
     from poslsh_paper.experiments.lm.model import Dist, build_model, load_data, trainable_parameters
 
     initial = cmd.checkpoint == "init"
-    ckpt = None if initial else resolve_checkpoint(cmd.checkpoint, run_dir(cfg))
+    # A BLOOM run trains as original; its other methods are evaluations of that run's weights.
+    trained = run_dir(replace(cfg, method="original")) if cfg.model.kind == "bloom" else run_dir(cfg)
+    ckpt = None if initial else resolve_checkpoint(cmd.checkpoint, trained)
     out = _eval_path(cfg, ckpt, initial, cmd.streaming, cmd.documents)
     dist = Dist(cfg.device)
     if cmd.streaming and dist.world > 1:
@@ -172,7 +174,8 @@ def _print_eval(res: dict, streaming: bool) -> None:
             print(f"  positions [{b['from']}, {b['to']}): ppl {b['ppl']:.3f}  acc {b['acc']:.2f}%")
         return
     for k, r in res["eval"].items():
-        print(f"{k} (context {r['context']}): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%")
+        print(f"{k} (context {r['context']}): " + (r["skipped"] if "skipped" in r else
+                                                     f"ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%"))
 
 
 def table_main(cmd: TableCommand) -> int:
@@ -191,6 +194,17 @@ def table_main(cmd: TableCommand) -> int:
         dry_run(cfg, cfg.methods, jobs=cmd.jobs)
         return 0
     command = "poslsh " + shlex.join(sys.argv[1:])
+    if cfg.model.kind == "bloom":     # one trained model per seed, evaluated as every method
+        from poslsh_paper.experiments.lm.bloom_table import run_bloom_table
+        if cmd.jobs != 1:
+            raise ConfigError("jobs: a BLOOM table trains one model per seed in this process; pass --jobs 1 (or "
+                              "train the seeds in parallel with `poslsh train --method original --seed <k>` first)")
+        if not run_bloom_table(cfg, cfg.methods, cfg.seeds, Path(cmd.out), progress=cmd.progress, command=command,
+                               train_missing=not cmd.aggregate_only):
+            raise ConfigError(f"table: no trained BLOOM under {cfg.runs_dir}: train the seeds first (without "
+                              "--aggregate-only)")
+        print((out / "table.md").read_text())
+        return 0
     results = run_table(cfg, cfg.methods, cfg.seeds, Path(cmd.out), progress=cmd.progress, command=command,
                         train_missing=not cmd.aggregate_only, jobs=cmd.jobs,
                         include=Path(cmd.include_runs) if cmd.include_runs else None)

@@ -29,7 +29,7 @@ __all__ = ["METHODS", "ModelConfig", "TrainConfig", "TrainCommand", "EvalCommand
 
 @dataclass
 class ModelConfig:
-    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA
+    kind: str = "scratch"             # "scratch": Qwen3-style, random init; "lora": pretrained + LoRA; "bloom": transformers' BloomForCausalLM, random init, its own ALiBi (trained as method original, evaluated as alibi, alibi-tol1e-<k>, alibi-wcost<s>, poslsh-s<k> through patch_alibi)
     base: str = "smollm2"             # lora base: "smollm2" or a local Hugging Face model directory
     hidden_size: int = 128            # scratch: model width
     num_layers: int = 4               # scratch: decoder layers
@@ -64,6 +64,7 @@ class TrainConfig:
     eval_tokens: int = 32768          # scored tokens per eval length (the same tokens for every length)
     eval_batch_tokens: int = 8192     # tokens per eval forward pass
     eval_split: str = "test"          # split evaluated: test, validation or train
+    eval_full_context: bool = False   # score only the eval_tokens targets after the longest context's first window: every target has at least (k-1) seq_len tokens before it at every length
     ckpt_interval: int = 200          # steps between checkpoints
     keep_checkpoints: int = 2         # checkpoints kept per run (older ones are deleted)
     device: str = "auto"              # auto | cpu | cuda
@@ -144,6 +145,8 @@ PRESET_HELP = {
     "cpu": "Table 1 analog from scratch on 2 CPU cores: 7 methods x 3 seeds, 2800 steps",
     "cpu-long": "the cpu preset with 3x the steps: ALiBi vs PosLSH s=20 i.i.d./grouped",
     "cpu-pack": "the cpu preset on packed documents: ALiBi and PosLSH s=10, 2 seeds",
+    "cpu-bloom": "transformers' BloomForCausalLM (its own ALiBi, eager) at 256 tokens, 2 seeds; PPL at 256 to 16k, "
+                 "eager and through patch_alibi (exact, certified window, cost-matched window, positional LSH)",
     "gpu": "a larger model at 1024 tokens for one GPU; grouped rows too",
     "smoke-lora": "LoRA on SmolLM2-135M (RoPE replaced), 4 steps",
     "cpu-lora": "Table 2 analog, reduced for 2 CPU cores: 5 methods x 2 seeds, 100 steps",
@@ -180,6 +183,16 @@ PRESETS = {
         preset="cpu-pack", data=DataConfig(tokenizer="bpe:4096"), model=_cpu_model(),
         seq_len=256, pack=True, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3, fixed_block_size=64,
         eval_tokens=32768, eval_batch_tokens=8192, ckpt_interval=400, methods=("alibi", "poslsh-s10"), seeds=(0, 1)),
+    # ALiBi's own claim on transformers' BLOOM: train short (256, eager, BLOOM's ALiBi), test long
+    # (x1, x4, x16, x64 = 256 to 16k) as each of BLOOM_METHODS; each length scores the same 2048
+    # targets, each after at least (k-1) x 256 tokens. Training about 30 min per seed on 2 cores,
+    # evaluation about 15 (exact ALiBi at 16k is most of it).
+    "cpu-bloom": TrainConfig(
+        preset="cpu-bloom", data=DataConfig(tokenizer="bpe:4096"), model=ModelConfig(kind="bloom"),
+        method="original", seq_len=256, batch_size=2, micro_batch_size=2, steps=2800, lr=3e-3,
+        eval_multipliers=(1, 4, 16, 64), eval_tokens=2048, eval_batch_tokens=8192, eval_full_context=True,
+        ckpt_interval=400, methods=("original", "alibi", "alibi-tol1e-3", "alibi-wcost10", "poslsh-s10"),
+        seeds=(0, 1)),
     # A larger model and context for one GPU (the paper: Qwen3-0.6B at 8k; this is much smaller).
     "gpu": TrainConfig(
         preset="gpu", data=DataConfig(tokenizer="bpe:16384"),
@@ -236,8 +249,16 @@ def check(cfg: TrainConfig, *, data: bool = True) -> None:
         raise ConfigError(f"method: {cfg.method} is exact ALiBi in this run (every window ceil(c sigma_h) > c = {c:g} "
                           f"covers the longest sequence it attends, seq_len {cfg.seq_len} x eval multiplier "
                           f"{max(cfg.eval_multipliers)} = {longest}): use --method alibi (one method, one name)")
-    if cfg.model.kind not in ("scratch", "lora"):
-        raise ConfigError(f"model.kind must be 'scratch' or 'lora', got {cfg.model.kind!r}")
+    if cfg.model.kind not in ("scratch", "lora", "bloom"):
+        raise ConfigError(f"model.kind must be 'scratch', 'lora' or 'bloom', got {cfg.model.kind!r}")
+    if cfg.model.kind == "bloom":
+        from poslsh_paper.experiments.lm.bloom import check_bloom
+        check_bloom(cfg)
+        if cfg.pack or cfg.context_parallel > 1:
+            raise ConfigError("model.kind: bloom runs train unpacked in one process (pack off, context_parallel 1)")
+    elif parse_method(cfg.method).window_tol is not None:
+        raise ConfigError(f"method: {cfg.method} (a certified window) runs BLOOM's attention through patch_alibi: "
+                          "pass --model.kind bloom, or use alibi-w<c> / alibi-wcost<s>")
     choices = {"device": ("auto", "cpu", "cuda"), "amp": ("auto", "bf16", "off"), "eval_split": SPLITS}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:

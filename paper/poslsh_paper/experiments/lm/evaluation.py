@@ -5,7 +5,9 @@ paper's section 6.2: a window of ``kL`` tokens slides over the eval stream with
 stride ``L``; the first window scores all its targets, every later one only its
 last ``L`` (each with at least ``(k-1)L`` tokens of context). Every length scores
 the same targets (the first ``eval_tokens`` of the split), so the columns differ
-only in the context given. The windows cross document boundaries (the stream's separators),
+only in the context given. With ``eval_full_context`` every window scores only its last ``L``
+and the targets are the ``eval_tokens`` after the longest context's first window, so each target
+has at least ``(k-1)L`` tokens of context at ``kL`` (none of them a window's early tokens). The windows cross document boundaries (the stream's separators),
 for every run alike, packed or not; ``poslsh eval --documents`` (``separator_id`` given) keeps the
 documents of each window apart instead, as ``--pack`` trains (positions restart at every
 separator, no attention across documents).
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from poslsh_paper.data.tokens import document_positions
 from poslsh_paper.experiments.lm.config import TrainConfig, method_label
 from poslsh_paper.experiments.lm.model import Dist, autocast_for
+from poslsh_paper.experiments.lm.bloom import eager_skip
 
 __all__ = ["scored_tokens", "eval_windows", "eval_forward_tokens", "evaluate", "format_result",
            "position_bins", "streaming_scores", "evaluate_streaming"]
@@ -37,8 +40,15 @@ __all__ = ["scored_tokens", "eval_windows", "eval_forward_tokens", "evaluate", "
 
 def scored_tokens(n_tokens: int, cfg: TrainConfig) -> int:
     """Targets scored at every length: ``eval_tokens`` rounded down to a multiple of
-    ``seq_len``, at most what the split holds; at least one window of the longest length."""
+    ``seq_len``, at most what the split holds; at least one window of the longest length
+    (``eval_full_context``: at least one ``seq_len``, after the longest context's first window)."""
     L, longest = cfg.seq_len, cfg.seq_len * max(cfg.eval_multipliers)
+    if cfg.eval_full_context:
+        T = min(cfg.eval_tokens, n_tokens - 1 - (longest - L)) // L * L
+        if T < L:
+            raise ValueError(f"the eval split has {n_tokens} tokens: fewer than one {longest}-token window "
+                             f"(seq_len {L} x {max(cfg.eval_multipliers)}) needs; lower the multipliers")
+        return T
     T = min(cfg.eval_tokens, n_tokens - 1) // L * L
     if T < longest:
         raise ValueError(f"the eval split has {n_tokens} tokens: fewer than one {longest}-token window "
@@ -52,9 +62,18 @@ def eval_windows(total: int, context: int, stride: int) -> List[int]:
     return list(range(0, total - context + 1, stride))
 
 
+def full_context_windows(total: int, k: int, cfg: TrainConfig) -> List[int]:
+    """``eval_full_context``: the starts of the ``k x seq_len`` windows whose last ``seq_len``
+    targets are the ``total`` targets that follow the longest context's first window."""
+    L, K = cfg.seq_len, max(cfg.eval_multipliers)
+    return [(K - k) * L + j * L for j in range(total // L)]
+
+
 def eval_forward_tokens(cfg: TrainConfig, n_tokens: Optional[int] = None) -> int:
     """Tokens run through the model by :func:`evaluate` (for time estimates)."""
     T = cfg.eval_tokens // cfg.seq_len * cfg.seq_len if n_tokens is None else scored_tokens(n_tokens, cfg)
+    if cfg.eval_full_context:
+        return sum(T // cfg.seq_len * k * cfg.seq_len for k in cfg.eval_multipliers)
     return sum(len(eval_windows(T, k * cfg.seq_len, cfg.seq_len)) * k * cfg.seq_len for k in cfg.eval_multipliers)
 
 
@@ -79,11 +98,21 @@ def evaluate(model, tokens: np.ndarray, cfg: TrainConfig, dist: Dist, progress: 
     out = {}
     for k in cfg.eval_multipliers:
         C = k * L
-        starts = eval_windows(T, C, L)
+        full = cfg.eval_full_context
+        starts = full_context_windows(T, k, cfg) if full else eval_windows(T, C, L)
+        per_batch = max(1, cfg.eval_batch_tokens // C)
+        skip = eager_skip(cfg, per_batch, C) if cfg.model.kind == "bloom" else None
+        if skip:
+            out[f"{k}x"] = {"context": C, "skipped": skip}
+            if progress and dist.main:
+                print(f"eval {k}x (context {C}): {skip}", file=sys.stderr)
+            continue
         nll = correct = count = 0.0
         t0 = time.perf_counter()
-        for g in _batches(starts[dist.rank::dist.world], max(1, cfg.eval_batch_tokens // C)):
-            keep = C if g == [0] else L
+        mine = starts[dist.rank::dist.world]
+        groups = [mine[i: i + per_batch] for i in range(0, len(mine), per_batch)] if full else _batches(mine, per_batch)
+        for g in groups:
+            keep = C if g == [0] and not full else L
             inputs = np.stack([tokens[b: b + C] for b in g]).astype(np.int64)
             x = torch.from_numpy(inputs).to(dist.device)
             packed = {} if separator_id is None else {
@@ -112,6 +141,9 @@ def format_result(result: dict) -> str:
     lines = [f"{method_label(result['method'])}, seed {result['seed']}: final train loss "
              f"{result['final_train_loss']}, {result['train_tokens_per_s']} tokens/s"]
     for k, r in (result.get("eval") or {}).items():
+        if "skipped" in r:
+            lines.append(f"  {k} (context {r['context']}): {r['skipped']}")
+            continue
         lines.append(f"  {k} (context {r['context']}): ppl {r['ppl']:.3f}  acc {r['acc']:.2f}%")
     return "\n".join(lines)
 

@@ -51,14 +51,17 @@ def describe(cfg: TrainConfig, results: List[dict]) -> Dict[str, str]:
     if m.kind == "scratch":
         model = (f"Qwen3-style model from scratch: {m.num_layers} layers, hidden {m.hidden_size}, "
                  f"{m.num_heads} query / {m.num_kv_heads} key-value heads of dim {m.head_dim}")
+    elif m.kind == "bloom":
+        model = (f"transformers' BloomForCausalLM from scratch (its own ALiBi, eager attention in training): "
+                 f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads")
     else:
         model = f"{m.base} + LoRA (r {m.lora_r}, alpha {m.lora_alpha}, {'/'.join(m.lora_targets)}), RoPE replaced"
     data = one_data(results)
     train_tokens = cfg.steps * cfg.batch_size * cfg.seq_len
     setup = (f"{model}; corpora {', '.join(cfg.data.corpora)} (split by document), tokenizer {cfg.data.tokenizer}; "
              f"{cfg.steps} steps x {cfg.batch_size} sequences x {cfg.seq_len} tokens = {train_tokens:,} training "
-             f"tokens; AdamW lr {cfg.lr}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_ratio}; fixed blocks "
-             f"of {cfg.fixed_block_size}.")
+             f"tokens; AdamW lr {cfg.lr}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_ratio}"
+             + ("." if m.kind == "bloom" else f"; fixed blocks of {cfg.fixed_block_size}."))
     if data:
         setup += " Split sizes (tokens): " + ", ".join(f"{k} {v['tokens']:,}" for k, v in data.items()) + "."
     if cfg.pack:

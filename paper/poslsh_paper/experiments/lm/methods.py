@@ -31,17 +31,20 @@ class Positional(NamedTuple):
     group_size: Optional[int] = None  # grouped: largest group size (poslsh-g<s>k<size>); None: 4
     window_sigmas: Optional[float] = None       # alibi-w<c>: w_h = ceil(c sigma_h)
     window_cost_samples: Optional[int] = None   # alibi-wcost<s>: positional LSH's keys per query at s
+    window_tol: Optional[float] = None          # alibi-tol1e-<k>: the certified window at tolerance 10^-k (BLOOM runs)
 
 
 # Numbers as written in a method name: canonical only (no leading zeros, no trailing decimal zeros),
 # so one method has one name and one run directory (alibi-w4, never alibi-w4.0 or alibi-w04).
 _INT = r"[1-9][0-9]*"
 _METHOD = re.compile(rf"poslsh-(s|g)({_INT})(?:k({_INT}))?")
+_TOL = re.compile(rf"alibi-tol1e-({_INT})")
 _WINDOW = re.compile(rf"alibi-w(?:cost({_INT})|((?:0|{_INT})(?:\.[0-9]*[1-9])?))")
 _HELP = ("use original, alibi, fixed_blocks, poslsh-s<k> (i.i.d. partitions, e.g. poslsh-s10), poslsh-g<k> (grouped, "
          "e.g. poslsh-g10), poslsh-g<k>k<size> (grouped, groups of at most <size>), alibi-w<c> (exact ALiBi cut at "
-         "c sigma_h, e.g. alibi-w4 or alibi-w2.5) or alibi-wcost<s> (exact ALiBi cut at the window that costs what "
-         "positional LSH costs at s samples, e.g. alibi-wcost10)")
+         "c sigma_h, e.g. alibi-w4 or alibi-w2.5) alibi-wcost<s> (exact ALiBi cut at the window that costs what "
+         "positional LSH costs at s samples, e.g. alibi-wcost10) or, with model.kind bloom, alibi-tol1e-<k> (the "
+         "certified window at tolerance 10^-k)")
 
 
 def parse_method(method: str) -> Positional:
@@ -57,6 +60,9 @@ def parse_method(method: str) -> Positional:
     m = _METHOD.fullmatch(method)
     if m and not (m[1] == "s" and m[3]):
         return Positional("poslsh", int(m[2]), "iid" if m[1] == "s" else "grouped", None if m[3] is None else int(m[3]))
+    t = _TOL.fullmatch(method) if isinstance(method, str) else None
+    if t:
+        return Positional("alibi-window", window_tol=10.0 ** -int(t[1]))
     w = _WINDOW.fullmatch(method) if isinstance(method, str) else None
     if w and w[1]:
         return Positional("alibi-window", window_cost_samples=int(w[1]))
@@ -80,6 +86,9 @@ def method_label(method: str) -> str:
         return f"Positional LSH, s={m[2]}"
     if m:
         return f"Positional LSH, grouped, s={m[2]}" + (f" (groups <= {m[3]})" if m[3] else "")
+    t = _TOL.fullmatch(method)
+    if t:
+        return f"ALiBi certified window, tol 1e-{t[1]}"
     w = _WINDOW.fullmatch(method)
     if w:
         return f"ALiBi window at the cost of s={w[1]}" if w[1] else f"ALiBi window {w[2]}σ"

@@ -88,6 +88,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
     pretrained model, with the method's positional scheme (RoPE removed unless original)."""
     from poslsh.integrations import hf
 
+    if cfg.model.kind == "bloom":     # transformers' BLOOM, its own ALiBi (or patch_alibi): poslsh_paper.experiments.lm.bloom
+        from poslsh_paper.experiments.lm.bloom import build_bloom
+        return build_bloom(cfg, vocab_size, separator_id)
     pc = positional_config(cfg)
     params = _scheme_params(cfg)
     torch.manual_seed(cfg.seed)   # initial weights (scratch) / LoRA init depend on the seed only
@@ -102,7 +105,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, separator_id: int = 0):
                            eos_token_id=separator_id, pad_token_id=separator_id)
         return hf.model_from_config(qcfg, pc.scheme, **params)
     if m.kind != "lora":
-        raise ConfigError(f"model.kind must be 'scratch' or 'lora', got {m.kind!r}")
+        raise ConfigError(f"model.kind must be 'scratch', 'lora' or 'bloom', got {m.kind!r}")
     from peft import LoraConfig, get_peft_model
     if m.base == "smollm2":
         from poslsh_paper.models.smollm2 import load_smollm2
