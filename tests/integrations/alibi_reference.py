@@ -184,3 +184,19 @@ def tiny_model(name: str, head: str = "ForCausalLM", seed: int = 0, dtype=torch.
             if p.dim() == 2:
                 p.mul_(4.0)
     return model
+
+
+def left_padded_batch(n: int, pads, seed: int = 1, *, low: int = 0, vocab: int = 61):
+    """Token ids ``[len(pads), n]`` in ``[low, vocab)`` and the attention mask with ``pads[b]`` leading
+    zeros in row ``b`` (left padding)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(low, vocab, (len(pads), n), generator=g)
+    mask = torch.ones(len(pads), n, dtype=torch.long)
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+    return x, mask
+
+
+def real_tokens(t, mask):
+    """The entries of ``t [B, n, ...]`` at real (unpadded) tokens."""
+    return t[mask.bool()]

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from poslsh.integrations.hf import alibi_stats, patch_alibi  # noqa: E402
 
-from alibi_reference import NAMES, reference_model, tiny_model  # noqa: E402
+from alibi_reference import NAMES, left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402
 
 N, B, PAD = 37, 3, (0, 9, 20)
 
@@ -19,16 +19,10 @@ TOL = {"bloom6": 1e-5, "bloom12": 1e-5}
 
 
 def _batch(vocab=61, n=N, pads=PAD, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, vocab, (len(pads), n), generator=g)
-    mask = torch.ones(len(pads), n, dtype=torch.long)
-    for b, p in enumerate(pads):
-        mask[b, :p] = 0
-    return x, mask
+    return left_padded_batch(n, pads, seed, vocab=vocab)
 
 
-def _real(t, mask):
-    return t[mask.bool()]
+_real = real_tokens
 
 
 @pytest.mark.parametrize("name", NAMES)

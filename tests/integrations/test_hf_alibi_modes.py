@@ -11,20 +11,14 @@ from poslsh.integrations.hf import alibi_stats, patch_alibi  # noqa: E402
 from poslsh.integrations.hf_alibi_layer import certified_logit_range  # noqa: E402
 from poslsh.window import logit_range, make_window, smallest_window  # noqa: E402
 
-from alibi_reference import reference_model, tiny_model  # noqa: E402
+from alibi_reference import left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402
 
 
 def _batch(n=41, pads=(0, 6), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(1, 61, (len(pads), n), generator=g)
-    mask = torch.ones(len(pads), n, dtype=torch.long)
-    for b, p in enumerate(pads):
-        mask[b, :p] = 0
-    return x, mask
+    return left_padded_batch(n, pads, seed, low=1)
 
 
-def _real(t, mask):
-    return t[mask.bool()]
+_real = real_tokens
 
 
 def _windows_oracle(model):
