@@ -6,7 +6,12 @@ TORCH   ?= torch==2.13.0
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.poslsh-installed
 
-.PHONY: setup demo test test-slow bench clean
+# The Hugging Face integration's tested range of transformers: the newest release of the [hf] extra's range
+# runs in `make test`; its floor runs in a throwaway environment (`make test-hf-range`, also in CI).
+HF_FLOOR ?= 5.24.0
+HF_VENV  ?= .venv-hf-floor
+
+.PHONY: setup demo test test-hf-range test-hf-next test-slow bench clean
 
 $(STAMP): pyproject.toml paper/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +30,22 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+test-hf-range:
+	rm -rf $(HF_VENV)
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install -q "$(TORCH)" "transformers==$(HF_FLOOR)" safetensors pytest numpy
+	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(HF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations
+	rm -rf $(HF_VENV)
+
+# Not in CI: the integration tests on the newest transformers on the package index, inside or outside the range
+# (what the next release breaks, before a user finds it).
+test-hf-next:
+	rm -rf $(HF_VENV)-next
+	$(PYTHON) -m venv $(HF_VENV)-next
+	$(HF_VENV)-next/bin/python -m pip install -q "$(TORCH)" -U transformers safetensors pytest numpy
+	PYTHONPATH=$(CURDIR) $(HF_VENV)-next/bin/python -m pytest -q -p no:cacheprovider tests/integrations
+	rm -rf $(HF_VENV)-next
+
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
@@ -32,4 +53,4 @@ bench: setup
 	$(PY) benchmarks/bench_cpu.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(HF_VENV) $(HF_VENV)-next build *.egg-info

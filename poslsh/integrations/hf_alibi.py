@@ -9,30 +9,31 @@ What patching does (in place, on the given model and its modules):
   (:class:`~poslsh.AlibiWindow` with :data:`~poslsh.window.kind.NO_WINDOW`), fixed or certified windows,
   or positional LSH (:class:`~poslsh.Partitions`);
 * ``config._attn_implementation`` becomes ``"poslsh_alibi"``, whose registered mask builder hands the
-  layers a :class:`~poslsh.integrations.hf_alibi_attend.RowMask` (the ``[B, nk]`` padding mask) where
-  transformers would build its ``n x n`` mask (the implementation name is not saved by
-  ``save_pretrained``);
-* forward hooks on the model and its base model refuse ``output_attentions`` / ``head_mask`` and read
-  packed documents from ``position_ids`` that restart (transformers' rule: no mask, no cache).
+  model a ``[1, 1, 1, 1]`` placeholder where transformers would build its ``n x n`` mask (the
+  implementation name is not saved by ``save_pretrained``);
+* forward hooks on the model and its base model refuse ``output_attentions`` / ``head_mask`` and push
+  the call's padding mask and packed documents (``position_ids`` that restart, transformers' rule: no
+  mask, no cache) where the layers read them (:mod:`.hf_alibi_call`): what the model does with its mask
+  before the layers run does not matter.
 """
 from __future__ import annotations
 
 import numbers
+import weakref
 from types import MethodType
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from . import require_transformers
+from . import require_transformers, warn_if_untested
 
 require_transformers()
 
-from .hf_alibi_attend import PACKED, row_mask_builder  # noqa: E402
+from .hf_alibi_call import placeholder_mask, pop_call, push_call  # noqa: E402
 from .hf_alibi_cache import enable_alibi_generation_cache  # noqa: E402
 from .hf_alibi_layer import LayerAlibi  # noqa: E402
 from .hf_alibi_models import family_of, layer_slopes  # noqa: E402
-from .hf_masks import documents_from_positions  # noqa: E402
 
 __all__ = ["patch_alibi", "alibi_stats", "IMPLEMENTATION", "register_alibi"]
 
@@ -51,7 +52,7 @@ def register_alibi() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(IMPLEMENTATION, _unused_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, row_mask_builder)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, placeholder_mask)
 
 
 def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend) -> None:
@@ -88,10 +89,46 @@ def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend
         raise ValueError(f"backend: unknown backend {backend!r}; one of {sorted(known | {'auto'})}")
 
 
+OUTPUT_ATTENTIONS = ("config.output_attentions=True: a patched ALiBi model never forms the n x n attention "
+                     "weights; set it to False")
+
+
 def _config_refusals(config) -> None:
     if getattr(config, "output_attentions", False):
-        raise ValueError("config.output_attentions=True: a patched ALiBi model never forms the n x n attention "
-                         "weights; set it to False")
+        raise ValueError(OUTPUT_ATTENTIONS)
+
+
+_GUARDED = {}
+
+
+def _new_of(cls):
+    return cls.__new__(cls)
+
+
+def _guard_output_attentions(config) -> None:
+    """Give ``config.output_attentions = True`` on a patched model the library's line (transformers' setter
+    would advise its eager attention): the config becomes an instance of a subclass whose setter says so;
+    it pickles as the original class."""
+    cls = type(config)
+    if getattr(cls, "_poslsh_alibi_guard", False):
+        return
+    prop = next((vars(c)["output_attentions"] for c in cls.__mro__ if "output_attentions" in vars(c)), None)
+    if not isinstance(prop, property) or prop.fset is None:
+        return                                  # a release without the setter: the call-time refusal stays
+
+    def setter(self, value):
+        if value and getattr(self, "_attn_implementation", None) == IMPLEMENTATION:
+            raise ValueError(OUTPUT_ATTENTIONS)
+        prop.fset(self, value)
+
+    def reduce_ex(self, protocol):
+        return _new_of, (cls,), self.__getstate__()
+
+    if cls not in _GUARDED:
+        _GUARDED[cls] = type(cls.__name__, (cls,), {"output_attentions": property(prop.fget, setter),
+                                                    "_poslsh_alibi_guard": True, "__reduce_ex__": reduce_ex,
+                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    config.__class__ = _GUARDED[cls]
 
 
 def _pre_hook(module, args, kwargs):
@@ -100,17 +137,7 @@ def _pre_hook(module, args, kwargs):
     if kwargs.get("head_mask") is not None:
         raise ValueError("head_mask: a patched ALiBi model does not scale heads; pass head_mask=None")
     _config_refusals(module.config)
-    docs = None
-    pos = kwargs.get("position_ids")
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if pos is not None and kwargs.get("attention_mask") is None and cache is None and pos.dim() == 2:
-        docs = documents_from_positions(pos, pos.shape[0], pos.shape[-1])
-    PACKED.append(docs if docs is not None else (PACKED[-1] if PACKED else None))
-
-
-def _post_hook(module, args, kwargs, output):
-    if PACKED:
-        PACKED.pop()
+    push_call(module, args, kwargs)
 
 
 def _install_hooks(module) -> None:
@@ -118,7 +145,7 @@ def _install_hooks(module) -> None:
         return
     module._poslsh_alibi_hooks = (
         module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-        module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
+        module.register_forward_hook(pop_call, with_kwargs=True, always_call=True))
 
 
 def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples: Optional[int] = None, seed: int = 0,
@@ -132,7 +159,7 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
 
     Args:
         model: the model (not a copy; returned).
-        window: ``None``: exact ALiBi over every key; an int or ``[H]`` (sequence or tensor): exact ALiBi cut
+        window: ``None``: exact ALiBi over every key; a number (whole, or inf) or ``[H]`` (sequence or tensor): exact ALiBi cut
             at those windows, keys with ``|i - j| <= window_h``; ``"certified"`` with ``tol``: per call and
             head the smallest window whose bound on the dropped softmax mass is ``<= tol``
             (:mod:`.hf_alibi_layer` says how the logit range is bounded).
@@ -148,14 +175,16 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
     Raises (one line each, at patch time): a model that is not one of the three ALiBi families (Llama,
     Falcon with ``alibi=False``), an MPT variant transformers does not run, ``config.output_attentions``,
     bad ``window`` / ``tol`` / ``num_samples`` / ``falcon_bias`` combinations. At call time:
-    ``output_attentions=True``, ``head_mask``, a mask with a gap inside a row.
+    ``output_attentions=True``, ``head_mask``, a prepared 4-D mask, a cache that does not hold exactly the
+    past keys. A mask with a gap inside a row is served (exactly, by a dense path per query chunk).
     """
+    warn_if_untested("patch_alibi")
     fam, attns, bases = family_of(model)
     _check_arguments(window, tol, num_samples, falcon_bias, fam.name, backend)
     _config_refusals(model.config)
     register_alibi()
     H = fam.heads(attns[0])[0]
-    if window is not None and not isinstance(window, (str, numbers.Integral)):
+    if window is not None and not isinstance(window, (str, numbers.Real)):
         n = len(window) if not isinstance(window, Tensor) else window.numel()
         if n not in (1, H):
             raise ValueError(f"window: got {n} windows for {H} heads")
@@ -164,10 +193,12 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
         layer = module.layer_idx if module.layer_idx is not None else i
         module._poslsh_alibi = LayerAlibi.build(fam.name, layer, slopes, scale, window=window, tol=tol,
                                                 num_samples=num_samples, seed=seed, backend=backend,
-                                                key_bias=key_bias)
+                                                key_bias=key_bias, kv_heads=fam.kv_heads(module))
+        module._poslsh_alibi.owner = weakref.ref(model.config)
         module.forward = MethodType(fam.forward, module)
     for m in {id(x): x for x in [model, *bases]}.values():
         m.config._attn_implementation = IMPLEMENTATION
+        _guard_output_attentions(m.config)
         _install_hooks(m)
     enable_alibi_generation_cache(model)
     model._poslsh_alibi_args = dict(window=window, tol=tol, num_samples=num_samples, seed=seed, backend=backend,

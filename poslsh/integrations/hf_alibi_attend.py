@@ -1,23 +1,26 @@
-"""The attention of a patched ALiBi model (BLOOM, MPT, Falcon): masks as row spans, one op call per
-group of rows, the key/value step, and exact dropout.
+"""The attention of a patched ALiBi model (BLOOM, MPT, Falcon): every query row the model's own, one op
+call per group of rows, the key/value step, and exact dropout.
 
-* :class:`RowMask` is what the registered mask builder (:func:`row_mask_builder`) returns in place of
-  transformers' ``n x n`` mask: the 2-D padding mask (``[B, nk]``, or None), the packed documents of the
-  call (``[B, n]`` ids, or None) and the sizes. BLOOM and Falcon count positions by the mask's
-  cumulative sum, MPT by index; for a row whose real tokens are one contiguous run (left and/or right
-  padding) both are the distance from the run's first token. A row with a gap inside takes the exact
-  dense path per query chunk at its family's positions (``O(nq nk)``: cheap for a decoding step).
-* :func:`attend_rows`: the queries ``[nk - nq, nk)`` of each row attend causally to the keys of its run
-  at their own positions (``q_start``, ``k_start``), one :func:`poslsh.attend` call per group of rows
-  with equal offsets (one call for an unpadded batch), zeros at padded queries. In training with
-  attention dropout ``p > 0`` the same rows go through :func:`chunked_attention` (exact, dense per
-  query chunk, recomputed in the backward).
-* :func:`update_kv`: the one place a layer's new keys and values meet its cache (a bounded cache
-  plugs in here: it returns the keys it holds and the padded position of the first).
+transformers masks keys, not queries: a query whose own token is padding still attends, and models read
+those rows (a classifier's pooled token, the causal-LM shift from the last left pad). So for each batch row
+with real tokens ``[s, e)`` (the :class:`~.hf_alibi_call.AlibiCall`'s mask) :func:`attend_rows` gives
+
+* queries in ``[s, e)``: causal ALiBi-family attention to the run's keys at their own positions, one
+  :func:`poslsh.attend` per group of rows with equal offsets (one call for an unpadded batch);
+* queries after the run (right padding, or a masked last token): the run's keys, at the family's positions
+  (BLOOM and Falcon count real tokens, so such a query sits on the run's last position; MPT counts the
+  index), exact and dense per chunk of :data:`CHUNK` queries: ``O(m n)`` for ``m`` such queries;
+* queries with no real key at or before them (left padding): every key of the row with equal weight: what
+  the model's float32 softmax gives a row whose scores all sit at the dtype's minimum (in float64
+  transformers' BLOOM and MPT give NaN there; Falcon the same equal weights);
+* a row whose real tokens have a gap: exact and dense per query chunk at the family's positions.
+
+In training with attention dropout ``p > 0`` the rows go through :func:`chunked_attention` (exact, dense
+per query chunk, recomputed in the backward). :func:`update_kv` is the one place a layer's new keys and
+values meet its cache.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -26,88 +29,11 @@ from torch import Tensor
 from ..attention import attend
 from ..decoding import span_backend
 from ..positional import Positional
+from .hf_alibi_call import NO_CALL, AlibiCall, row_runs
 
-__all__ = ["RowMask", "row_mask_builder", "row_runs", "row_positions", "update_kv", "attend_rows",
-           "chunked_attention", "PACKED"]
+__all__ = ["row_positions", "update_kv", "attend_rows", "chunked_attention", "CHUNK"]
 
-CHUNK = 256                      # query rows per chunk of the exact dense path (gaps, dropout)
-
-
-@dataclass(frozen=True)
-class RowMask:
-    """A causal mask as spans: ``valid [B, nk]`` bool (None: every token real), ``documents [B, n]`` int
-    (packed documents of a prefill, or None), ``q_length``, ``kv_length``, ``runs`` (:func:`row_runs`). Stands where transformers'
-    models expect their 4-D mask: ``ndim`` is 0 (Falcon folds no bias into it) and ``.to()`` returns it."""
-
-    valid: Optional[Tensor]
-    documents: Optional[Tensor]
-    q_length: int
-    kv_length: int
-    runs: Optional[tuple] = None           # row_runs(valid), once per forward (one host sync, not one per layer)
-    ndim: int = 0
-
-    def to(self, *args, **kwargs) -> "RowMask":
-        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
-        if device is None or self.valid is None:
-            return self
-        return replace(self, valid=self.valid.to(device))
-
-
-# Packed documents of the current top-level call, set by the patched model's forward hook (a list: a stack).
-PACKED: List[Optional[Tensor]] = []
-
-
-def row_mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
-                     attention_mask: Optional[Tensor] = None, **kwargs) -> RowMask:
-    """``AttentionMaskInterface`` builder of patched ALiBi models: a :class:`RowMask`, ``O(B nk)``."""
-    if kwargs.get("use_vmap", False):
-        raise ValueError("attention_mask: a patched ALiBi model takes causal padding masks only (a custom mask "
-                         "function was given)")
-    if isinstance(kv_offset, int) and kv_offset > 0 and kv_length == q_length:
-        # a per-head window cache (hf_alibi_cache): the layers attend through it and read only which of
-        # this step's tokens are real
-        valid = None
-        if attention_mask is not None:
-            valid = attention_mask.to(torch.bool)[:, kv_offset:kv_offset + q_length]
-            if valid.shape[-1] != q_length:
-                raise ValueError(f"attention_mask: {attention_mask.shape[-1]} columns for {kv_offset + q_length} "
-                                 "tokens")
-        return RowMask(valid, None, int(q_length), int(kv_length), None)
-    if not isinstance(kv_offset, int) or kv_offset != 0 or not isinstance(q_offset, int) \
-            or kv_length != q_offset + q_length:
-        raise ValueError(f"cache: a patched ALiBi model needs a cache holding exactly the past keys, then the "
-                         f"queries ({q_offset} + {q_length} tokens in {kv_length} slots, offset {kv_offset}); use "
-                         "transformers' DynamicCache")
-    valid = None
-    if attention_mask is not None:
-        valid = attention_mask.to(torch.bool)
-        if valid.shape[-1] < kv_length:
-            raise ValueError(f"attention_mask: {valid.shape[-1]} columns for {kv_length} keys")
-        valid = valid[:, :kv_length]
-        if bool(valid.all()):
-            valid = None
-    documents = PACKED[-1] if PACKED else None
-    if documents is not None and (valid is not None or q_length != kv_length):
-        raise ValueError("position_ids: packed documents (positions that restart) need a prefill without padding or "
-                         "cache; decode each document as its own row")
-    runs = None if valid is None else tuple(row_runs(valid, valid.shape[0], int(kv_length)))
-    return RowMask(valid, documents, int(q_length), int(kv_length), runs)
-
-
-def row_runs(valid: Optional[Tensor], B: int, nk: int) -> List[Optional[Tuple[int, int]]]:
-    """Each row's run of real tokens ``[start, end)`` (``(0, 0)``: none) from ``valid [B, nk]``; None for a
-    row whose real tokens are not one contiguous run (a gap)."""
-    if valid is None:
-        return [(0, nk)] * B
-    if valid.shape != (B, nk):
-        raise ValueError(f"attention_mask: shape {tuple(valid.shape)} does not fit {B} rows of {nk} keys")
-    idx = torch.arange(nk, device=valid.device)
-    count = valid.sum(1)
-    start = torch.where(valid, idx, nk).amin(1)
-    end = torch.where(valid, idx + 1, 0).amax(1)
-    gaps = ((count > 0) & (end - start != count)).tolist()
-    return [None if g else ((s, e) if c else (0, 0))
-            for s, e, c, g in zip(start.tolist(), end.tolist(), count.tolist(), gaps)]
+CHUNK = 256                      # query rows per chunk of the exact dense path (masked queries, gaps, dropout)
 
 
 def row_positions(valid: Tensor, rule: str) -> Tensor:
@@ -124,51 +50,42 @@ def update_kv(cache, key: Tensor, value: Tensor, layer_idx: int) -> Tuple[Tensor
     (0: transformers' caches keep every key)."""
     if cache is None:
         return key, value, 0
+    past, n = int(cache.get_seq_length(layer_idx)), key.shape[2]
     key, value = cache.update(key, value, layer_idx)
+    if key.shape[2] != past + n:
+        raise ValueError(f"cache: a patched ALiBi model needs a cache holding exactly the past keys, then the new "
+                         f"ones ({past} + {n} tokens, got {key.shape[2]} keys from a {type(cache).__name__}); use "
+                         "transformers' DynamicCache")
     return key, value, 0
 
 
-def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Positional, *, scale: float,
-                backend: str, k_first: int = 0, dropout: float = 0.0,
+def attend_rows(query: Tensor, key: Tensor, value: Tensor, call: AlibiCall, positional: Positional, *,
+                scale: float, backend: str, k_first: int = 0, dropout: float = 0.0,
                 key_bias: Optional[Callable[[Tensor], Tensor]] = None, rule: str = "cumsum") -> Tensor:
     """Causal ALiBi-family attention of ``query [B, Hq, nq, d]`` (padded positions ``[nk' - nq, nk')``,
     ``nk' = k_first + nk``) to ``key/value [B, Hkv, nk, d]`` (padded ``[k_first, nk')``) with the layer's
-    ``positional`` object, each row at the positions of its run of real tokens (``mask``: a
-    :class:`RowMask` or None). ``key_bias(positions) -> [Hq, m]``: a per-key logit term added on top of
-    the positional bias (Falcon's bfloat16-rounded bias). A row with a gap in its mask takes the exact
-    dense path per query chunk at the family's positions (``rule``, :func:`row_positions`).
-    Returns ``[B, Hq, nq, dv]``, 0 at padding."""
+    ``positional`` object, every query row the model's own (the module docstring): ``call`` holds the
+    padding mask and packed documents. ``key_bias(positions) -> [Hq, m]``: a per-key logit term added on
+    top of the positional bias (Falcon's bfloat16-rounded bias); ``rule``: the family's positions
+    (:func:`row_positions`). Returns ``[B, Hq, nq, dv]``."""
     B, Hq, nq, _ = query.shape
     nk = key.shape[2]
     total = k_first + nk
-    if isinstance(mask, RowMask):
-        valid, documents = mask.valid, mask.documents
-    elif mask is None:
-        valid, documents = None, None
-    else:
-        raise ValueError("attention_mask: a patched ALiBi model takes a 2-D padding mask, not a prepared 4-D one")
-    if valid is not None and valid.shape[-1] != total:
-        valid = valid[:, :total]
-    known = isinstance(mask, RowMask) and mask.runs is not None and mask.kv_length == total
-    runs = list(mask.runs) if known else row_runs(valid, B, total)
-    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    gapped = [b for b, r in enumerate(runs) if r is None]
-    if gapped and documents is not None:
-        raise ValueError("attention_mask with a gap and packed documents: describe the batch by one of them")
-    for b, run_b in enumerate(runs):
-        if run_b is None:
-            continue
-        s, e = run_b
-        i0, i1 = max(s, total - nq) - (total - nq), e - (total - nq)
-        if i1 > i0:
-            groups.setdefault((i0, i1, s, e), []).append(b)
+    call = NO_CALL if call is None else call
+    valid, documents = call.valid_for(total), call.documents
+    runs = row_runs(None, B, total) if valid is None else call.runs(B, total)
+    if documents is not None and (valid is not None or nq != total):
+        raise ValueError("position_ids: packed documents (positions that restart) need a prefill without padding or "
+                         "cache; decode each document as its own row")
+    first_q = total - nq                     # padded position of query row 0
+    opts = dict(positional=positional, scale=scale, k_first=k_first, dropout=dropout, key_bias=key_bias)
 
     def run(rows, i0, i1, s, e):
         q = query[rows, :, i0:i1]
         k, v = key[rows, :, max(s, k_first) - k_first:e - k_first], value[rows, :, max(s, k_first) - k_first:e - k_first]
-        qs, ks = total - nq + i0 - s, max(s, k_first) - s
+        qs, ks = first_q + i0 - s, max(s, k_first) - s
         if key_bias is not None:
-            q, k = _with_key_bias(q, k, key_bias(torch.arange(ks, ks + k.shape[2], device=q.device)), scale)
+            q, k, v = _with_key_bias(q, k, v, key_bias(torch.arange(ks, ks + k.shape[2], device=q.device)), scale)
         if dropout > 0:
             if documents is not None:
                 raise ValueError("attention dropout with packed documents: train packed batches with dropout 0, "
@@ -182,32 +99,64 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, mask, positional: Pos
         return attend(q, k, v, positional, causal=True, scale=scale, backend=span_backend(backend, q, positional.op),
                       q_start=qs, k_start=ks)
 
-    if not gapped and len(groups) == 1 and len(next(iter(groups.values()))) == B:
-        (i0, i1, s, e), _ = next(iter(groups.items()))
-        if i0 == 0 and i1 == nq:
-            return run(slice(None), i0, i1, s, e)
+    if valid is None:                        # no padding: one call for the batch
+        return run(slice(None), 0, nq, 0, total)
+    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
+    for b, r in enumerate(runs):
+        if r is not None and r[1] > r[0]:
+            i0, i1 = max(r[0] - first_q, 0), r[1] - first_q
+            if i1 > i0:
+                groups.setdefault((i0, i1, r[0], r[1]), []).append(b)
     out = query.new_zeros(B, Hq, nq, value.shape[-1])
     for (i0, i1, s, e), rows in groups.items():
-        idx = torch.tensor(rows, device=query.device)
-        out = _put(out, idx, i0, i1, run(idx, i0, i1, s, e))
-    for b in gapped:
-        out = _put(out, torch.tensor([b], device=query.device), 0, nq,
-                   _gap_row(query[b:b + 1], key[b:b + 1], value[b:b + 1], valid[b], positional, scale, k_first,
-                            dropout, key_bias, rule))
+        out = _put(out, torch.tensor(rows, device=query.device), i0, i1, run(rows, i0, i1, s, e))
+    for b, r in enumerate(runs):
+        if r is None or r[1] < total or r[0] > first_q:      # masked queries: a gap, after or before the run
+            out = _put(out, torch.tensor([b], device=query.device), 0, nq,
+                       _masked_queries(out[b:b + 1], query[b:b + 1], key[b:b + 1], value[b:b + 1], valid[b], r,
+                                       rule=rule, **opts))
     return out
 
 
-def _gap_row(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, positional: Positional, scale: float, k_first: int,
-             p: float, key_bias, rule: str) -> Tensor:
-    """One row whose mask has a gap: exact, dense per query chunk, at the family's positions."""
+def _masked_queries(done: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, run, *, positional, scale,
+                    k_first, dropout, key_bias, rule) -> Tensor:
+    """One row's output ``[1, Hq, nq, dv]``: ``done`` where its queries are real tokens of a run, the model's
+    rows at its masked queries (the module docstring), exact and dense per chunk."""
     total, nq = valid.numel(), q.shape[2]
-    pos = row_positions(valid, rule).cpu()
-    q_idx, k_idx = torch.arange(total - nq, total), torch.arange(k_first, total)
-    if key_bias is not None:
-        q, k = _with_key_bias(q, k, key_bias(pos[k_first:].to(q.device)), scale)
-    out = chunked_attention(q, k, v, positional, scale, pos[total - nq:], pos[k_first:], q_idx, k_idx,
-                            valid[k_first:], p)
-    return out * valid[total - nq:].to(out.dtype)[None, None, :, None]
+    q_idx, k_idx = torch.arange(total - nq, total, device=q.device), torch.arange(k_first, total, device=q.device)
+    seen = valid.to(torch.int64).cumsum(0)[total - nq:] > 0                # a real key at or before the query
+    if run is None:
+        redo = torch.ones(nq, dtype=torch.bool, device=q.device)
+    else:
+        redo = ~valid[total - nq:]
+    dense = torch.nonzero(redo & seen).flatten()
+    out = done
+    if dense.numel():
+        pos = row_positions(valid, rule)
+        qq, kk, vv = q[:, :, dense], k, v
+        if key_bias is not None:
+            qq, kk, vv = _with_key_bias(qq, kk, vv, key_bias(pos[k_first:]), scale)
+        part = chunked_attention(qq, kk, vv, positional, scale, pos[q_idx[dense]], pos[k_first:], q_idx[dense], k_idx,
+                                 valid[k_first:], dropout)
+        out = out.index_copy(2, dense, part.to(out.dtype))
+    empty = torch.nonzero(~seen).flatten()
+    if empty.numel():
+        out = out.index_copy(2, empty, _equal_weights(v, q.shape[1], empty.numel(), dropout).to(out.dtype))
+    return out
+
+
+def _equal_weights(v: Tensor, Hq: int, m: int, p: float) -> Tensor:
+    """``m`` query rows that weigh every key of ``v [1, Hkv, nk, dv]`` equally: ``[1, Hq, m, dv]`` (with dropout
+    ``p`` on the weights in training, per chunk of :data:`CHUNK` rows)."""
+    v = v.repeat_interleave(Hq // v.shape[1], dim=1) if v.shape[1] != Hq else v
+    nk = v.shape[2]
+    if p == 0:
+        return v.mean(dim=2, keepdim=True).expand(-1, -1, m, -1)
+    parts = []
+    for c0 in range(0, m, CHUNK):
+        w = torch.full((1, Hq, min(CHUNK, m - c0), nk), 1.0 / nk, dtype=v.dtype, device=v.device)
+        parts.append(torch.nn.functional.dropout(w, p=p, training=True) @ v)
+    return torch.cat(parts, 2)
 
 
 def _put(out: Tensor, rows: Tensor, i0: int, i1: int, part: Tensor) -> Tensor:
@@ -217,14 +166,16 @@ def _put(out: Tensor, rows: Tensor, i0: int, i1: int, part: Tensor) -> Tensor:
     return out.index_copy(0, rows, full)
 
 
-def _with_key_bias(q: Tensor, k: Tensor, bias: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """``q, k`` with one more feature so that ``scale q' . k'_j = scale q . k_j + bias[h, j]`` (``bias [Hq, m]``):
-    an exact per-key logit term through the unchanged op (keys expanded to the query heads)."""
+def _with_key_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` with one more feature of ``q`` and ``k`` so that ``scale q' . k'_j = scale q . k_j + bias[h, j]``
+    (``bias [Hq, m]``): an exact per-key logit term through the unchanged op (keys and values expanded to
+    the query heads: the term differs per query head)."""
     Hq, Hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else k
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
     ones = torch.ones(*q.shape[:3], 1, dtype=q.dtype, device=q.device)
     extra = (bias.to(k.dtype) / scale)[None, :, :, None].expand(k.shape[0], -1, -1, -1)
-    return torch.cat([q, ones], -1), torch.cat([k, extra], -1)
+    return torch.cat([q, ones], -1), torch.cat([k, extra], -1), v
 
 
 def chunked_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional, scale: float, q_pos: Tensor,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import types
 from typing import List, Optional
 
+import torch
 from torch import Tensor
 
 from ..decoding import Certificate
@@ -33,13 +34,8 @@ def _layers(model) -> List:
 
 
 def _kv_heads(module) -> int:
-    """Key/value heads of a patched attention module (MPT: ``n_heads``; Falcon: multi-query or grouped
-    keys; BLOOM: every head)."""
-    if hasattr(module, "n_heads"):
-        return int(module.n_heads)
-    if getattr(module, "new_decoder_architecture", False) or not hasattr(module, "num_kv_heads"):
-        return int(module.num_heads)
-    return int(module.num_kv_heads)
+    """Key/value heads of a patched attention module (what its keys carry: ``LayerAlibi.kv_heads``)."""
+    return int(module._poslsh_alibi.kv_heads)
 
 
 def _why_not(layers) -> Optional[str]:
@@ -64,8 +60,10 @@ def alibi_cache(model, *, certificate: Optional[Certificate] = None, sinks: int 
     why = _why_not([m._poslsh_alibi for m in modules])
     if why is not None:
         raise ValueError(f"model: no per-head window cache: {why}")
-    return PoslshCache.for_windows(model, certificate=certificate, sinks=sinks, num_layers=len(modules),
-                                   num_kv_heads=_kv_heads(modules[0]))
+    cache = PoslshCache.for_windows(model, certificate=certificate, sinks=sinks, num_layers=len(modules),
+                                    num_kv_heads=_kv_heads(modules[0]))
+    cache._poslsh_alibi_owner = modules[0]._poslsh_alibi.owner
+    return cache
 
 
 def windowed_cache_of(cache) -> Optional[PoslshCache]:
@@ -77,17 +75,33 @@ def windowed_cache_of(cache) -> Optional[PoslshCache]:
     return None
 
 
-def attend_cached(cache: PoslshCache, st, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask) -> Tensor:
-    """One patched layer's step on a per-head window cache: ``[B, Hq, nq, dv]`` (zeros at padded queries)."""
+def attend_cached(cache: PoslshCache, st, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, call) -> Tensor:
+    """One patched layer's step on a per-head window cache: ``[B, Hq, nq, dv]``; a left pad's row is the
+    model's (every key of the row weighed equally)."""
     if st.mode != "window" or st.key_bias is not None:
         raise ValueError(f"cache: a per-head window cache serves layers with fixed windows; layer {layer_idx} "
                          f"attends with {st.mode if st.key_bias is None else 'the bfloat16 Falcon bias'}; "
                          "use transformers' DynamicCache")
-    valid = getattr(mask, "valid", None)
-    if valid is not None:
-        valid = valid[:, -query.shape[2]:]
-    return cache.attend_window(layer_idx, query, key, value, st.positional_for(query, key), scale=st.scale,
-                               valid=valid, backend=st.backend)
+    owner = getattr(cache, "_poslsh_alibi_owner", None)
+    if owner is None or owner() is None or owner() is not st.owner():
+        raise ValueError("cache: this per-head window cache was made for another model; make one for this model "
+                         "with alibi_cache(model)")
+    seen, nq = cache.layers[layer_idx].get_seq_length(), query.shape[2]
+    full = call.valid_for(seen + nq)
+    valid = None if full is None else full[:, -nq:]
+    out = cache.attend_window(layer_idx, query, key, value, st.positional_for(query, key), scale=st.scale,
+                              valid=valid, backend=st.backend)
+    if full is None:
+        return out
+    empty = full.to(torch.int64).cumsum(1)[:, -nq:] == 0          # [B, nq]: no real token at or before
+    if not bool(empty.any()):
+        return out
+    if seen:
+        raise ValueError("attention_mask: a row with no real token after the first step; a per-head window cache "
+                         "no longer holds the keys the model weighs equally there; give every row a real token")
+    # the model weighs every key of such a row equally (its softmax of a row at the dtype's minimum)
+    mean = value.mean(2, keepdim=True).repeat_interleave(query.shape[1] // value.shape[1], 1)
+    return torch.where(empty[:, None, :, None], mean.to(out.dtype), out)
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -95,7 +109,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     make its default ``DynamicCache`` and every layer attends with fixed windows."""
     if (model_kwargs.get("cache") is None and model_kwargs.get("past_key_values") is None
             and generation_config.use_cache is not False and generation_config.cache_implementation is None
-            and not getattr(generation_config, "is_assistant", False) and _why_not(_layers(self)) is None):
+            and not getattr(generation_config, "is_assistant", False) and not self.training
+            and _why_not(_layers(self)) is None):
         model_kwargs["cache"] = alibi_cache(self)
         return None
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
@@ -103,6 +118,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
 
 def enable_alibi_generation_cache(model) -> None:
     """Make ``model.generate()`` decode on :func:`alibi_cache` whenever the model is patched with fixed
-    windows (checked at each call: re-patching to another mode goes back to transformers' cache)."""
+    windows and in eval mode (checked at each call: re-patching to another mode, or a model in training
+    mode, goes back to transformers' cache)."""
     if hasattr(model, "_prepare_cache_for_generation"):
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)

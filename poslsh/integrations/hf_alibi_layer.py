@@ -22,6 +22,7 @@ from ..seeding import stable_seed
 from ..window.kind import NO_WINDOW, make_window
 from ..window.theory import smallest_window
 from .hf_alibi_attend import attend_rows, update_kv
+from .hf_alibi_call import call_of
 from .hf_alibi_cache import attend_cached, windowed_cache_of
 
 __all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
@@ -45,20 +46,23 @@ class LayerAlibi:
     backend: str
     key_bias: Optional[Callable[[Tensor], Tensor]] = None
     num_samples: Optional[int] = None
+    kv_heads: int = 0
+    owner: Optional[Callable] = None              # weakref to the patched model's config
     last: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, family: str, layer: int, slopes: Tensor, scale: float, *, window, tol, num_samples, seed,
-              backend, key_bias=None) -> "LayerAlibi":
+              backend, key_bias=None, kv_heads: int = 0) -> "LayerAlibi":
         slopes = slopes.detach().to("cpu", torch.float64)
+        common = dict(backend=backend, key_bias=key_bias, kv_heads=int(kv_heads) or int(slopes.numel()))
         if num_samples is not None:
             parts = sample_partitions(1.0 / slopes, num_samples, seed=stable_seed("patch_alibi", seed, layer))
-            return cls(family, layer, slopes, scale, "positional_lsh", parts, None, backend, key_bias, num_samples)
+            return cls(family, layer, slopes, scale, "positional_lsh", parts, None, num_samples=num_samples, **common)
         if isinstance(window, str):
-            return cls(family, layer, slopes, scale, "certified", None, float(tol), backend, key_bias)
+            return cls(family, layer, slopes, scale, "certified", None, float(tol), **common)
         if window is None:
-            return cls(family, layer, slopes, scale, "exact", make_window(slopes, NO_WINDOW), None, backend, key_bias)
-        return cls(family, layer, slopes, scale, "window", make_window(slopes, window), None, backend, key_bias)
+            return cls(family, layer, slopes, scale, "exact", make_window(slopes, NO_WINDOW), None, **common)
+        return cls(family, layer, slopes, scale, "window", make_window(slopes, window), None, **common)
 
     def positional_for(self, query: Tensor, key: Tensor) -> Positional:
         """The positional object of this call (certified: the windows this call's bound needs)."""
@@ -117,16 +121,18 @@ def falcon_bf16_bias(slopes32: Tensor, head_dim: int) -> Callable[[Tensor], Tens
 
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
     """A patched layer's attention: the key/value step, then every row at its own positions with the
-    layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``[B, Hq, nq, dv]``."""
+    layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``mask`` is
+    whatever the model passed its layer: only a key to the call (:func:`~.hf_alibi_call.call_of`), never
+    read. ``[B, Hq, nq, dv]``."""
     st: LayerAlibi = module._poslsh_alibi
+    call = call_of(mask)
     windowed = windowed_cache_of(cache)
     if windowed is not None:            # a per-head window cache stores the keys and attends itself
-        if module.training and dropout:
-            raise ValueError("cache: a per-head window cache decodes in eval mode (attention dropout is on); "
-                             "call model.eval()")
-        return attend_cached(windowed, st, module.layer_idx, query, key, value, mask)
+        if module.training:
+            raise ValueError("cache: a per-head window cache decodes a model in eval mode; call model.eval()")
+        return attend_cached(windowed, st, module.layer_idx, query, key, value, call)
     key, value, k_first = update_kv(cache, key, value, module.layer_idx)
     positional = st.positional_for(query, key)
     p = float(dropout) if module.training else 0.0
-    return attend_rows(query, key, value, mask, positional, scale=st.scale, backend=st.backend, k_first=k_first,
+    return attend_rows(query, key, value, call, positional, scale=st.scale, backend=st.backend, k_first=k_first,
                        dropout=p, key_bias=st.key_bias, rule="index" if st.family == "mpt" else "cumsum")

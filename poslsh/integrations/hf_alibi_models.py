@@ -15,6 +15,7 @@ forward (its own projections, then :func:`~poslsh.integrations.hf_alibi_layer.la
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
@@ -24,59 +25,92 @@ from torch import Tensor
 
 from .hf_alibi_layer import falcon_bf16_bias, layer_attention
 
-__all__ = ["Family", "family_of", "FAMILIES"]
+__all__ = ["Family", "family_of", "FAMILIES", "falcon_kv_heads"]
 
 
-def _refuse_outputs(output_attentions) -> None:
-    if output_attentions:
+def _arguments(self, args, kwargs) -> dict:
+    """The call's arguments by the names of the module's own (unpatched) forward, whatever their order or
+    number in this transformers release; the cache under ``"cache"`` (``layer_past`` / ``past_key_values``)."""
+    try:
+        sig = inspect.signature(type(self).forward)
+        named = dict(sig.bind(self, *args, **kwargs).arguments)
+        for p in sig.parameters.values():           # the **kwargs entry, flattened
+            if p.kind is p.VAR_KEYWORD:
+                named.update(named.pop(p.name, {}) or {})
+    except TypeError as e:
+        raise TypeError(f"{type(self).__name__}: this transformers release calls its attention with arguments the "
+                        f"patched forward cannot bind ({e}); see poslsh.integrations.hf.TESTED_TRANSFORMERS") from None
+    if named.get("output_attentions"):
         raise ValueError("output_attentions=True: a patched ALiBi model never forms the n x n attention weights; "
                          "call it with output_attentions=False")
+    for name in ("cache", "layer_past", "past_key_values"):
+        if named.get(name) is not None:
+            named["cache"] = named[name]
+    return named
 
 
-def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
-                   output_attentions=False, **kwargs):
+def _bloom_forward(self, hidden_states, *args, **kwargs):
     from transformers.models.bloom.modeling_bloom import dropout_add
 
-    _refuse_outputs(output_attentions)
+    a = _arguments(self, (hidden_states, *args), kwargs)
     B, n, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))
-    ctx = layer_attention(self, q, k, v, attention_mask, layer_past, self.attention_dropout.p)
+    ctx = layer_attention(self, q, k, v, a.get("attention_mask"), a.get("cache"), self.attention_dropout.p)
     ctx = ctx.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp
         out = torch.zeros_like(ctx)
         for i in range(self.pretraining_tp):
-            a, b = int(i * slices), int((i + 1) * slices)
-            out = out + torch.nn.functional.linear(ctx[:, :, a:b], self.dense.weight[:, a:b])
+            lo, hi = int(i * slices), int((i + 1) * slices)
+            out = out + torch.nn.functional.linear(ctx[:, :, lo:hi], self.dense.weight[:, lo:hi])
         # as transformers' slow_but_exact path: the sliced products, without the dense bias
     else:
         out = self.dense(ctx)
-    return dropout_add(out, residual, self.hidden_dropout, self.training), None
+    return dropout_add(out, a["residual"], self.hidden_dropout, self.training), None
 
 
-def _mpt_forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None, **kwargs):
-    _refuse_outputs(kwargs.get("output_attentions"))
-    if cache is None:
-        cache = kwargs.get("past_key_values")
+def _mpt_forward(self, hidden_states, *args, **kwargs):
+    a = _arguments(self, (hidden_states, *args), kwargs)
     B, n = hidden_states.shape[:2]
     mixed = self.Wqkv(hidden_states)
     if self.clip_qkv:
         mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
     q, k, v = (t.reshape(B, n, self.n_heads, self.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=2))
-    ctx = layer_attention(self, q, k, v, attention_mask, cache, self.attn_dropout_p)
+    ctx = layer_attention(self, q, k, v, a.get("attention_mask"), a.get("cache"), self.attn_dropout_p)
     return self.out_proj(ctx.transpose(1, 2).reshape(B, n, -1)), None
 
 
-def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
-                    output_attentions=False, position_embeddings=None, **kwargs):
-    _refuse_outputs(output_attentions)
-    num_kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
-    q, k, v = self._split_heads(self.query_key_value(hidden_states))
-    B, n = q.shape[:2]
-    q = q.transpose(1, 2).reshape(B, self.num_heads, n, self.head_dim)
-    k = k.transpose(1, 2).reshape(B, num_kv_heads, n, self.head_dim)
-    v = v.transpose(1, 2).reshape(B, num_kv_heads, n, self.head_dim)
-    ctx = layer_attention(self, q, k, v, attention_mask, layer_past, self.attention_dropout.p)
+def falcon_kv_heads(config) -> int:
+    """Key/value heads of a Falcon checkpoint's fused projection: grouped (the new decoder architecture),
+    one (multi-query) or one per head."""
+    if config.new_decoder_architecture:
+        return int(config.num_kv_heads)
+    return 1 if config.multi_query else int(config.num_attention_heads)
+
+
+def _falcon_qkv(self, hidden_states):
+    """Queries ``[B, H, n, d]``, keys and values ``[B, Hkv, n, d]`` from Falcon's fused projection, split as the
+    checkpoint lays it out (the weights' format, not a transformers release's helper)."""
+    cfg, d = self.config, self.head_dim
+    H, Hkv = cfg.num_attention_heads, falcon_kv_heads(cfg)
+    B, n = hidden_states.shape[:2]
+    fused = self.query_key_value(hidden_states)
+    if cfg.new_decoder_architecture:        # per key/value group: its queries, then its key and its value
+        grouped = fused.view(B, n, Hkv, H // Hkv + 2, d)
+        q, k, v = grouped[..., :-2, :].flatten(2, 3), grouped[..., -2, :], grouped[..., -1, :]
+    elif cfg.multi_query:                   # every query head, then one key and one value
+        q, k, v = fused.view(B, n, H + 2, d).split([H, 1, 1], dim=2)
+    else:                                   # per head: query, key, value
+        q, k, v = fused.view(B, n, H, 3, d).unbind(3)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _falcon_forward(self, hidden_states, *args, **kwargs):
+    a = _arguments(self, (hidden_states, *args), kwargs)
+    q, k, v = _falcon_qkv(self, hidden_states)
+    B, n = hidden_states.shape[:2]
+    p = getattr(self.attention_dropout, "p", self.attention_dropout)      # a Dropout module, or its rate
+    ctx = layer_attention(self, q, k, v, a.get("attention_mask"), a.get("cache"), float(p))
     return self.dense(ctx.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)), None
 
 
@@ -120,7 +154,8 @@ def _check_falcon(config) -> None:
 @dataclass(frozen=True)
 class Family:
     """One ALiBi family: its attention class name, the patched forward, slopes ``(H) -> float32 [H]``,
-    the config check, and how to read heads, head dim and logit scale off an attention module."""
+    the config check, and how to read heads and head dim, the logit scale and the key/value heads off an
+    attention module."""
 
     name: str
     base_class: str
@@ -130,15 +165,19 @@ class Family:
     check: Callable
     heads: Callable
     scale: Callable
+    kv_heads: Callable
 
 
 FAMILIES = {
     "bloom": Family("bloom", "BloomModel", "BloomAttention", _bloom_forward, _bloom_slopes, _check_bloom,
-                    lambda m: (m.num_heads, m.head_dim), lambda m: float(m.inv_norm_factor)),
+                    lambda m: (m.num_heads, m.head_dim), lambda m: float(m.inv_norm_factor),
+                    lambda m: m.num_heads),
     "mpt": Family("mpt", "MptModel", "MptAttention", _mpt_forward, _mpt_slopes, _check_mpt,
-                  lambda m: (m.n_heads, m.head_dim), lambda m: float(m.softmax_scale)),
+                  lambda m: (m.n_heads, m.head_dim), lambda m: float(m.softmax_scale),
+                  lambda m: m.n_heads),
     "falcon": Family("falcon", "FalconModel", "FalconAttention", _falcon_forward, _bloom_slopes, _check_falcon,
-                     lambda m: (m.num_heads, m.head_dim), lambda m: float(m.inv_norm_factor)),
+                     lambda m: (m.num_heads, m.head_dim), lambda m: float(m.inv_norm_factor),
+                     lambda m: falcon_kv_heads(m.config)),
 }
 
 

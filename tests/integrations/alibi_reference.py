@@ -1,8 +1,11 @@
 """A float64 reference of transformers' BLOOM, MPT and Falcon (alibi=True): each model's own attention
 modules and its own bias, with the softmax in float64 (transformers runs it in float32 even in a
-float64 model), a fully masked query row giving 0 (not NaN), and Falcon's bias product
+float64 model), every query row computed (a masked query attends to the unmasked keys, as in the
+model), a query with no unmasked key weighing every key equally (what the float32 model's softmax of a
+row at the dtype's minimum gives; float64 BLOOM and MPT give NaN there), and Falcon's bias product
 ``m_h * p`` in float64 (transformers rounds it to bfloat16; ``falcon_bias="bfloat16"`` keeps that).
-Falcon is the sdpa path's arithmetic (the bias added once; the explicit eager path adds it twice).
+Falcon is the sdpa path's arithmetic (the bias added once; the explicit eager path of old releases adds
+it twice); its fused projection is split as the checkpoint lays it out.
 
 ``positional(layer) -> Positional`` replaces the ALiBi bias by that object's dense bias (windows,
 positional LSH) at positions counted from each row's first real token: the oracle of the other modes.
@@ -18,25 +21,30 @@ import torch.nn.functional as F
 
 
 def _softmax64(scores, allowed):
+    allowed = allowed.expand(scores.shape)
     s = scores.to(torch.float64).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, -1).nan_to_num(0.0)
+    none = ~allowed.any(-1, keepdim=True)                    # no key: every key weighs the same
+    return torch.where(none, 1.0 / scores.shape[-1], torch.softmax(s.masked_fill(none, 0.0), -1))
 
 
-def _positions(state, B, kv):
-    """Per row the position of each of the kv keys: the mask's cumulative sum minus 1 (0 at padding)."""
+def _positions(state, B, kv, rule="cumsum"):
+    """Per row the position of each of the kv tokens: the mask's cumulative sum minus 1 (BLOOM, Falcon: a
+    masked token sits on the last real one before it) or the index from the first real token (MPT)."""
     mask = state.get("mask")
     if mask is None:
         return torch.arange(kv).expand(B, kv)
     mask = mask[:, :kv].to(torch.int64)
-    return (mask.cumsum(-1) - 1) * mask
+    if rule == "cumsum":
+        return mask.cumsum(-1) - 1
+    return torch.arange(kv)[None] - mask.argmax(-1, keepdim=True)
 
 
-def _bias(self, state, B, H, nq, kv, model_bias):
+def _bias(self, state, B, H, nq, kv, model_bias, rule="cumsum"):
     """[B, H, nq, kv] float64: the model's bias, or the positional object's dense bias."""
     positional = state["positional"]
     if positional is None:
         return model_bias
-    pos = _positions(state, B, kv)
+    pos = _positions(state, B, kv, rule)
     rows = []
     for b in range(B):
         p = pos[b]
@@ -66,7 +74,7 @@ def _bloom(self, hidden_states, residual, alibi, attention_mask, layer_past=None
     if state["bias64"]:          # the product m_h p in float64 (transformers: in float32)
         from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
         m = _get_alibi_slopes(H, torch.device("cpu")).to(torch.float64)
-        own = m[None, :, None, None] * _positions(state, B, kv)[:, None, None, :].to(torch.float64)
+        own = m[None, :, None, None] * _positions(state, B, kv).clamp_min(0)[:, None, None, :].to(torch.float64)
     else:
         own = alibi.view(B, H, 1, kv).to(torch.float64)
     bias = _bias(self, state, B, H, nq, kv, self.beta * own)
@@ -89,7 +97,7 @@ def _mpt(self, hidden_states, position_bias=None, cache=None, attention_mask=Non
         k, v = cache.update(k, v, self.layer_idx)
     kv = k.shape[2]
     model_bias = position_bias[:, -1:, -kv:].to(torch.float64)[None] if state["positional"] is None else None
-    bias = _bias(self, state, B, self.n_heads, nq, kv, model_bias)
+    bias = _bias(self, state, B, self.n_heads, nq, kv, model_bias, rule="index")
     scores = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) * self.softmax_scale + bias
     probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv, masked_is_true=True)).to(q.dtype)
     if state["dropout"]:
@@ -97,26 +105,42 @@ def _mpt(self, hidden_states, position_bias=None, cache=None, attention_mask=Non
     return self.out_proj((probs @ v).transpose(1, 2).reshape(B, nq, -1)), None
 
 
-def _falcon(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
-            output_attentions=False, position_embeddings=None, **kwargs):
+def _falcon_qkv(self, hidden_states):
+    cfg, d = self.config, self.head_dim
+    H = cfg.num_attention_heads
+    Hkv = cfg.num_kv_heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else H
+    B, n = hidden_states.shape[:2]
+    fused = self.query_key_value(hidden_states)
+    if cfg.new_decoder_architecture:
+        g = fused.view(B, n, Hkv, H // Hkv + 2, d)
+        q, k, v = g[..., :-2, :].flatten(2, 3), g[..., -2, :], g[..., -1, :]
+    elif cfg.multi_query:
+        q, k, v = fused.view(B, n, H + 2, d).split([H, 1, 1], dim=2)
+    else:
+        q, k, v = fused.view(B, n, H, 3, d).unbind(3)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _falcon(self, hidden_states, attention_mask=None, *args, layer_past=None, **kwargs):
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
     state = self._ref_state
-    Hkv = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
-    q, k, v = self._split_heads(self.query_key_value(hidden_states))
-    B, nq = q.shape[:2]
-    q = q.transpose(1, 2).reshape(B, self.num_heads, nq, self.head_dim)
-    k = k.transpose(1, 2).reshape(B, Hkv, nq, self.head_dim)
-    v = v.transpose(1, 2).reshape(B, Hkv, nq, self.head_dim)
+    q, k, v = _falcon_qkv(self, hidden_states)
+    B, nq = hidden_states.shape[:2]
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
     kv = k.shape[2]
-    k, v = (t.repeat_interleave(self.num_heads // Hkv, dim=1) for t in (k, v))
+    k, v = (t.repeat_interleave(self.num_heads // t.shape[1], dim=1) for t in (k, v))
     root = math.sqrt(self.head_dim)
     if state["falcon_bias"] == "bfloat16":        # transformers' own tensor: bf16(bf16(m) p)
+        mask2d = state.get("mask")
+        mask2d = torch.ones(B, kv, dtype=torch.long) if mask2d is None else mask2d[:, :kv]
+        alibi = build_alibi_tensor(mask2d, self.num_heads, dtype=torch.float32)
         model_bias = alibi.view(B, self.num_heads, 1, kv).to(torch.float64) / root
     else:                                          # the product in float64
         from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
         m = _get_alibi_slopes(self.num_heads, torch.device("cpu")).to(torch.float64)
-        model_bias = (m[None, :, None, None] * _positions(state, B, kv)[:, None, None, :].to(torch.float64)) / root
+        pos = _positions(state, B, kv).clamp_min(0)
+        model_bias = (m[None, :, None, None] * pos[:, None, None, :].to(torch.float64)) / root
     bias = _bias(self, state, B, self.num_heads, nq, kv, model_bias)
     scores = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)) / root + bias
     probs = _softmax64(scores, _allowed(attention_mask, B, nq, kv)).to(q.dtype)

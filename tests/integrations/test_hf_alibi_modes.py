@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
-from poslsh.integrations.hf import alibi_stats, patch_alibi  # noqa: E402
+from poslsh.integrations.hf import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
 from poslsh.integrations.hf_alibi_layer import certified_logit_range  # noqa: E402
 from poslsh.window import logit_range, make_window, smallest_window  # noqa: E402
 
@@ -89,13 +89,14 @@ def test_positional_lsh_equals_the_oracle_with_the_layers_partitions(name):
     assert torch.equal(got, again)
 
 
-def test_falcon_bfloat16_bias_reproduces_transformers_and_exact_does_not():
+@pytest.mark.parametrize("name", ["falcon", "falcon_mq", "falcon_gqa"])
+def test_falcon_bfloat16_bias_reproduces_transformers_and_exact_does_not(name):
     x, mask = _batch(n=700, pads=(0, 40))
     with torch.no_grad():
-        want_bf16 = reference_model(tiny_model("falcon"), falcon_bias="bfloat16")(x, attention_mask=mask).logits
-        want_exact = reference_model(tiny_model("falcon"))(x, attention_mask=mask).logits
-        bf16 = patch_alibi(tiny_model("falcon"), falcon_bias="bfloat16")(x, attention_mask=mask).logits
-        exact = patch_alibi(tiny_model("falcon"))(x, attention_mask=mask).logits
+        want_bf16 = reference_model(tiny_model(name), falcon_bias="bfloat16")(x, attention_mask=mask).logits
+        want_exact = reference_model(tiny_model(name))(x, attention_mask=mask).logits
+        bf16 = patch_alibi(tiny_model(name), falcon_bias="bfloat16")(x, attention_mask=mask).logits
+        exact = patch_alibi(tiny_model(name))(x, attention_mask=mask).logits
     assert (_real(bf16, mask) - _real(want_bf16, mask)).abs().max() <= 1e-10
     assert (_real(exact, mask) - _real(want_exact, mask)).abs().max() <= 1e-10
     assert (_real(exact, mask) - _real(want_bf16, mask)).abs().max() > 1e-3     # the rounding shows at p > 256
@@ -171,8 +172,17 @@ def test_refusals_in_one_line():
     _refused("output_attentions", bloom, x, output_attentions=True)
     _refused("head_mask", bloom, x, head_mask=torch.ones(2, 4))
     _refused("DynamicCache", bloom.generate, x, max_new_tokens=2, do_sample=False, cache_implementation="static")
-    mpt = patch_alibi(tiny_model("mpt"))
-    _refused("not a prepared 4-D one", mpt, x, attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool))
+    for name in ("bloom4", "mpt", "falcon"):
+        model = patch_alibi(tiny_model(name))
+        _refused("not a prepared 4-D one", model, x, attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool))
+    _refused("whole numbers", patch_alibi, tiny_model("bloom4"), window=16.5)
+    with pytest.raises(ValueError, match="a patched ALiBi model never forms"):
+        bloom.config.output_attentions = True
+    windowed = patch_alibi(tiny_model("bloom4"), window=4)
+    other = patch_alibi(tiny_model("bloom4", seed=3), window=4)
+    _refused("made for another model", windowed.generate, x, max_new_tokens=2, do_sample=False,
+             cache=alibi_cache(other))
+    _refused("eval mode", windowed.train(), x, cache=alibi_cache(windowed), use_cache=True)
     for line in ("not an ALiBi model", ):
         with pytest.raises(ValueError) as e:
             patch_alibi(llama)
@@ -224,3 +234,13 @@ def test_one_layer_equals_poslsh_alibi_attention_with_its_windows(window):
                                      window=None if w is None else torch.tensor(w))
         want = attn.dense(ctx.transpose(1, 2).reshape(2, 50, 24))
     assert (got - want).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("window", [2.0, float("inf")])
+def test_whole_float_and_infinite_windows_are_windows(window):
+    x, mask = _batch()
+    with torch.no_grad():
+        got = patch_alibi(tiny_model("bloom4"), window=window)(x, attention_mask=mask).logits
+        want = patch_alibi(tiny_model("bloom4"), window=None if window == float("inf") else int(window))(
+            x, attention_mask=mask).logits
+    assert torch.equal(got, want)

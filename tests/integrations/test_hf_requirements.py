@@ -1,6 +1,7 @@
 """The Hugging Face integration without transformers, or with one too old: one line each."""
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -35,4 +36,18 @@ def test_the_extra_and_the_floor_agree():
     from pathlib import Path
     meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     hf = meta["project"]["optional-dependencies"]["hf"]
-    assert f"transformers>={integrations.MIN_TRANSFORMERS}" in hf, hf
+    assert f"transformers>={integrations.MIN_TRANSFORMERS},<{integrations.BELOW_TRANSFORMERS}" in hf, hf
+
+
+def test_past_the_tested_range_patch_alibi_warns_in_one_line(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from poslsh.integrations.hf import patch_alibi
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=16, hidden_size=8, n_layer=1, n_head=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_alibi(model)                                      # the installed release is in the range
+    monkeypatch.setattr(transformers, "__version__", "9.0.0")
+    with pytest.warns(integrations.UntestedTransformersWarning) as caught:
+        patch_alibi(model)
+    (line,) = [str(w.message) for w in caught]
+    assert "\n" not in line and "found 9.0.0" in line and integrations.BELOW_TRANSFORMERS in line
