@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.integrations.hf import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
-from poslsh.integrations.hf_alibi_layer import certified_logit_range  # noqa: E402
+from poslsh.integrations.hf.alibi.layer import certified_logit_range  # noqa: E402
 from poslsh.window import logit_range, make_window, smallest_window  # noqa: E402
 
 from alibi_reference import left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402

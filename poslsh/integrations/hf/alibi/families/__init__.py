@@ -1,6 +1,6 @@
 """The three ALiBi families of transformers as they are: which modules attend, their slopes as the
 model's code computes them, the logit scale, what each refuses, and each attention module's patched
-forward (its own projections, then :func:`~poslsh.integrations.hf_alibi_layer.layer_attention`).
+forward (its own projections, then :func:`~poslsh.integrations.hf.alibi.layer.layer_attention`).
 
 * BLOOM (``BloomAttention``): slopes of ``_get_alibi_slopes`` (the non-power-of-two rule), logits
   ``q . k / sqrt(d) + m_h p_j`` (the bias is not scaled), positions from the mask's cumulative sum;
@@ -23,7 +23,7 @@ from typing import Callable, List, Tuple
 import torch
 from torch import Tensor
 
-from .hf_alibi_layer import falcon_bf16_bias, layer_attention
+from ..layer import falcon_bf16_bias, layer_attention
 
 __all__ = ["Family", "family_of", "FAMILIES", "falcon_kv_heads"]
 

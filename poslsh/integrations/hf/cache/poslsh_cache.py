@@ -24,7 +24,7 @@ sequence, ``[start, total)``). A row's positions start at its first real token, 
 the prefill without a cache (left padding): the layer learns each row's first real
 token from the causal mask (its diagonal says which new tokens are real). Each step
 runs the op with ``q_start`` / ``k_start`` once per group of rows with the same offsets
-(:mod:`.hf_rows`; one call without padding); outputs at padding positions are zero. After
+(:mod:`poslsh.integrations.hf.rows`; one call without padding); outputs at padding positions are zero. After
 a packed prefill, :func:`packed_prefill_cache` makes every document its own row.
 
 Bad input raises one ``ValueError`` line: a cache built for another model instance,
@@ -44,12 +44,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding import SEQUENCE_KINDS, Certificate, HeadWindows, document_rows
-from ..positional import Positional, check_positional
-from .hf_cache_heads import HeadWindowLayer
-from .hf_cache_spec import (BLOCK_SCHEMES, CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec,
+from ....decoding import SEQUENCE_KINDS, Certificate, HeadWindows, document_rows
+from ....positional import Positional, check_positional
+from .heads import HeadWindowLayer
+from .spec import (BLOCK_SCHEMES, CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec,
                             check_layer)
-from .hf_rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
+from ..rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
 
 __all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "CacheSpec", "PoslshCacheLayer",
            "HeadWindowLayer", "PoslshCache", "Certificate", "attend", "span_rows_attention", "left_pads", "packed_prefill_cache", "generation_cache",

@@ -32,10 +32,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..alibi import alibi_sigmas, alibi_slopes
-from ..window.kind import AlibiWindow, make_window, windows_in_sigmas
-from ..window.cost import cost_matched_window
-from ..partitions import check_sampler
+from ....alibi import alibi_sigmas, alibi_slopes
+from ....window.kind import AlibiWindow, make_window, windows_in_sigmas
+from ....window.cost import cost_matched_window
+from ....partitions import check_sampler
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "NO_ROTATION", "PositionalConfig", "positional_config",
            "attention_modules", "NoRotaryEmbedding", "register_rope_type", "convert"]

@@ -14,14 +14,14 @@ Importing this module registers four attention implementations with
 Any Llama / Qwen3 / Mistral-family model then runs with
 ``attn_implementation="poslsh"``. :func:`apply_positional_scheme` goes further
 and turns a model (or config) into one whose *only* positional signal is the scheme
-(RoPE removed; see :mod:`poslsh.integrations.hf_convert`). A model saved after that
+(RoPE removed; see :mod:`poslsh.integrations.hf.schemes.convert`). A model saved after that
 reloads as itself with plain ``AutoModelForCausalLM.from_pretrained`` once poslsh is
 imported, and fails loudly without it.
 
-Where the pieces live: :mod:`.hf_convert` (``PositionalConfig``, RoPE removal, the saved
-scheme), :mod:`.hf_state` (each layer's positional object: its partition schedule, window and bias),
-:mod:`.hf_masks` (padding, packed documents, the mask builder), :mod:`.hf_cache` (the bounded
-KV cache for ``generate()``), :mod:`.hf_alibi` (:func:`patch_alibi`: unmodified BLOOM, MPT and Falcon
+Where the pieces live: :mod:`poslsh.integrations.hf.schemes.convert` (``PositionalConfig``, RoPE removal, the saved
+scheme), :mod:`poslsh.integrations.hf.schemes.state` (each layer's positional object: its partition schedule, window and bias),
+:mod:`poslsh.integrations.hf.masks` (padding, packed documents, the mask builder), :mod:`poslsh.integrations.hf.cache` (the bounded
+KV cache for ``generate()``), :mod:`poslsh.integrations.hf.alibi` (:func:`patch_alibi`: unmodified BLOOM, MPT and Falcon
 on the library's ops); here the one attention function of every scheme,
 :func:`attention_forward` (``fn(module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d], attention_mask,
 scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``; the schemes differ only in their positional
@@ -44,7 +44,7 @@ Exact ALiBi (``"alibi"``) is dense like stock ``sdpa``, packed documents include
 softcapping raise.
 
 Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks / alibi-window model built,
-converted or loaded here uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
+converted or loaded here uses a bounded :class:`~poslsh.integrations.hf.cache.PoslshCache`
 (:func:`generation_cache`, :func:`enable_generation_cache`), which drops the keys no later
 query can see. Decoding against a full cache (``DynamicCache``, left padding) runs the op at the
 queries' and keys' positions (``q_start``, ``k_start``), one call per group of rows with equal offsets.
@@ -60,28 +60,22 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import require_transformers
-
-require_transformers()      # one line naming what to install, before the imports that need it
-
-from ..attention import attend  # noqa: E402
-from ..reference import dense_attention
-from . import hf_cache
-from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
-from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
-                         positional_config, register_rope_type)
-from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
-                       padded_self_attention, window_mask)
-from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
-from .hf_alibi import alibi_stats, patch_alibi
-from .hf_alibi_cache import alibi_cache
+from ....attention import attend
+from ....reference import dense_attention
+from ..cache import poslsh_cache as hf_cache
+from ..cache.poslsh_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
+from ..masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
+                     padded_self_attention, window_mask)
+from .convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
+                      positional_config, register_rope_type)
+from .state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
-           "layer_positional", "PoslshCache", "generation_cache",
-           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache"]
+           "layer_positional", "PoslshCache", "generation_cache", "enable_generation_cache", "STEP_KWARG",
+           "CONTEXT_KWARG"]
 
 log = logging.getLogger("poslsh.integrations.hf")
 STEP_KWARG = "poslsh_step"
@@ -176,7 +170,7 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
                       **kwargs):
     """The attention of every scheme (:data:`SCHEME_RULES`): ``(module, q [B, Hq, nq, d], k/v [B, Hkv, nk, d],
     mask, ...) -> ([B, nq, Hq, dv], None)``, attending with the layer's positional object
-    (:func:`~poslsh.integrations.hf_state.layer_positional`: partitions or a window) through
+    (:func:`~poslsh.integrations.hf.schemes.state.layer_positional`: partitions or a window) through
     :func:`poslsh.attend`; context-parallel shards, :class:`PoslshCache` steps, packed documents, padding
     and a full cache take the near-linear ops, any other mask the exact dense path."""
     rules = SCHEME_RULES[scheme]
@@ -327,9 +321,3 @@ def model_from_config(config, scheme: Optional[str] = None, **params):
     cfg = convert(config, scheme, **params)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=positional_config(cfg).implementation)
     return enable_generation_cache(convert(model, scheme, **params))
-
-
-try:  # register on import when transformers is installed
-    register()
-except ImportError:  # pragma: no cover - transformers is an optional extra
-    pass

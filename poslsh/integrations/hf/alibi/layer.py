@@ -16,14 +16,14 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..partitions import sample_partitions
-from ..positional import Positional
-from ..seeding import stable_seed
-from ..window.kind import NO_WINDOW, make_window
-from ..window.theory import smallest_window
-from .hf_alibi_attend import attend_rows, update_kv
-from .hf_alibi_call import call_of
-from .hf_alibi_cache import attend_cached, windowed_cache_of
+from ....partitions import sample_partitions
+from ....positional import Positional
+from ....seeding import stable_seed
+from ....window.kind import NO_WINDOW, make_window
+from ....window.theory import smallest_window
+from .attend import attend_rows, update_kv
+from .call import call_of
+from .cache import attend_cached, windowed_cache_of
 
 __all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
 
@@ -121,8 +121,8 @@ def falcon_bf16_bias(slopes32: Tensor, head_dim: int) -> Callable[[Tensor], Tens
 
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
     """A patched layer's attention: the key/value step, then every row at its own positions with the
-    layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``mask`` is
-    whatever the model passed its layer: only a key to the call (:func:`~.hf_alibi_call.call_of`), never
+    layer's positional object (:func:`~poslsh.integrations.hf.alibi.attend.attend_rows`). ``mask`` is
+    whatever the model passed its layer: only a key to the call (:func:`~poslsh.integrations.hf.alibi.call.call_of`), never
     read. ``[B, Hq, nq, dv]``."""
     st: LayerAlibi = module._poslsh_alibi
     call = call_of(mask)

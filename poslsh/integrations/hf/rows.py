@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..attention import attend
-from ..decoding import span_backend
-from ..positional import Positional
+from ...attention import attend
+from ...decoding import span_backend
+from ...positional import Positional
 
 __all__ = ["new_token_validity", "left_pads", "span_rows_attention", "left_padded_rows"]
 

@@ -1,4 +1,4 @@
-"""What a :class:`~poslsh.integrations.hf_cache.PoslshCache` is keyed on: the schemes it serves, the
+"""What a :class:`~poslsh.integrations.hf.cache.PoslshCache` is keyed on: the schemes it serves, the
 :class:`CacheSpec` of a model's positional weights, and the check that the attention calling a cache layer is
 the one it was built for (one ``ValueError`` line each)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .hf_convert import positional_config
+from ..schemes.convert import positional_config
 
 __all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
 

@@ -1,11 +1,11 @@
-"""The per-head window layer of a :class:`~poslsh.integrations.hf_cache.PoslshCache`: each KV head of a
+"""The per-head window layer of a :class:`~poslsh.integrations.hf.cache.PoslshCache`: each KV head of a
 decoder layer keeps its own ALiBi window (:class:`poslsh.decoding.HeadWindows`), ``sum_j (w_j + 1)`` rows.
 
 Two ways in, one store:
 
 * **Llama-family models of the ``"alibi-window"`` scheme** call ``cache.update(k, v, layer_idx,
   kwargs=kwargs)``; the layer keeps the step's keys pending, returns them, and adds itself to the
-  attention's keywords, so :func:`poslsh.integrations.hf_cache.attend` finds it and calls
+  attention's keywords, so :func:`poslsh.integrations.hf.cache.attend` finds it and calls
   :meth:`HeadWindowLayer.attend_scheme` (the model's checks, then the store).
 * **Any attention with per-head windows** (e.g. a patched BLOOM / MPT / Falcon layer) skips ``update``
   and calls :meth:`HeadWindowLayer.attend_window` (or ``cache.attend_window(layer_idx, ...)``) with the
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from ..decoding import Certificate, HeadWindows, span_backend
-from ..positional import check_positional
+from ....decoding import Certificate, HeadWindows, span_backend
+from ....positional import check_positional
 
 __all__ = ["HeadWindowLayer"]
 

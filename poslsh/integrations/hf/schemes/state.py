@@ -21,12 +21,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..alibi import alibi_bias, alibi_sigmas, alibi_slopes
-from ..modules import PartitionSchedule
-from ..partitions import Partitions
-from ..positional import Positional
-from ..window.kind import NO_WINDOW, AlibiWindow, make_window
-from .hf_convert import positional_config
+from ....alibi import alibi_bias, alibi_sigmas, alibi_slopes
+from ....modules import PartitionSchedule
+from ....partitions import Partitions
+from ....positional import Positional
+from ....window.kind import NO_WINDOW, AlibiWindow, make_window
+from .convert import positional_config
 
 __all__ = ["LayerState", "layer_state", "layer_positional", "layer_partitions", "layer_window", "layer_alibi_bias",
            "training_step"]

@@ -2,9 +2,9 @@
 
 A model patched with fixed windows (``patch_alibi(model, window=...)``) needs, at every step, only
 the last ``w_h`` keys of each head: ``generate()`` then runs on a
-:class:`~poslsh.integrations.hf_cache.PoslshCache` of per-head windows (:func:`alibi_cache`), whose
+:class:`~poslsh.integrations.hf.cache.PoslshCache` of per-head windows (:func:`alibi_cache`), whose
 layers hold ``sum_j (w_j + 1)`` rows each and return the step's attention themselves
-(:meth:`~poslsh.integrations.hf_cache.PoslshCache.attend_window`). The result is the model's own:
+(:meth:`~poslsh.integrations.hf.cache.PoslshCache.attend_window`). The result is the model's own:
 the same tokens and logits as without a cache. Exact ALiBi, certified windows (chosen again at every
 call from that call's logit range) and positional LSH keep transformers' ``DynamicCache``, which holds
 every key; so does Falcon's ``falcon_bias="bfloat16"``, whose per-key rounding a window store does not
@@ -18,8 +18,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..decoding import Certificate
-from .hf_cache import PoslshCache
+from ....decoding import Certificate
+from ..cache.poslsh_cache import PoslshCache
 
 __all__ = ["alibi_cache", "windowed_cache_of", "attend_cached", "enable_alibi_generation_cache"]
 
@@ -68,7 +68,7 @@ def alibi_cache(model, *, certificate: Optional[Certificate] = None, sinks: int 
 
 def windowed_cache_of(cache) -> Optional[PoslshCache]:
     """``cache`` when it is a per-head window cache (the layer attends through it), else None."""
-    from .hf_cache_heads import HeadWindowLayer
+    from ..cache.heads import HeadWindowLayer
 
     if isinstance(cache, PoslshCache) and all(isinstance(layer, HeadWindowLayer) for layer in cache.layers):
         return cache
