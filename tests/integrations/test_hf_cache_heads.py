@@ -13,7 +13,8 @@ import poslsh  # noqa: E402
 from poslsh.decoding import Certificate, CertificateWarning, HeadWindows, certified_window  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
 from poslsh.integrations.hf import cache as hf_cache  # noqa: E402
-from poslsh.integrations.hf.schemes.convert import attention_modules, positional_config  # noqa: E402
+from poslsh.integrations.hf.config import positional_config  # noqa: E402
+from poslsh.integrations.hf.schemes.convert import attention_modules  # noqa: E402
 from poslsh.integrations.hf.schemes.state import layer_state  # noqa: E402
 from poslsh.window import make_window  # noqa: E402
 

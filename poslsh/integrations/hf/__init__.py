@@ -12,10 +12,12 @@ Two families of models, each a sub-package, on shared pieces below them:
 * :mod:`.alibi`: unmodified BLOOM, MPT and Falcon (``alibi=True``) on the library's ops (:func:`patch_alibi`),
   one module per model family under :mod:`.alibi.families`.
 
-Below them: :mod:`.cache` (:class:`PoslshCache`, the bounded KV cache of ``generate()``, used by both
-families), and the pieces two families share: :mod:`.rows` (batch rows at their own positions, one op call per
-group of rows) and :mod:`.masks` (padding and packed documents). Every import points down:
-``hf -> schemes, alibi -> cache -> rows, masks`` (``tests/test_architecture.py``).
+Below them, what both families use: :mod:`.cache` (:class:`PoslshCache`, the bounded KV cache of
+``generate()``), and the shared pieces :mod:`.rows` (batch rows at their own positions, one op call per group of
+rows), :mod:`.masks` (padding and packed documents) and :mod:`.config` (:class:`PositionalConfig`, the scheme a
+converted model saves; the cache keys on it). Every import points down
+(``hf -> schemes | alibi -> cache -> rows, masks, config``; ``tests/test_architecture.py``), and the families never
+import each other: a new family of models is a sibling sub-package.
 
 Importing any module of this package first checks the installed transformers (one line naming what to install)
 and registers the implementations.
@@ -27,13 +29,13 @@ from .. import require_transformers
 require_transformers()      # one line naming what to install, before the imports that need it
 
 from .alibi import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
-from .schemes.attention import (CONTEXT_KWARG, IMPLEMENTATIONS, NO_ROTATION, SCHEME_RULES, SCHEMES,  # noqa: E402
-                                STEP_KWARG, LayerState, NoRotaryEmbedding, PoslshCache, PositionalConfig,
-                                alibi_attention_forward, alibi_window_attention_forward, apply_positional_scheme,
-                                attention_forward, enable_generation_cache, fixed_blocks_attention_forward,
-                                from_pretrained, generation_cache, layer_partitions, layer_positional,
-                                layer_state, layer_window, model_from_config, poslsh_attention_forward,
-                                positional_config, register)
+from .cache import PoslshCache, enable_generation_cache, generation_cache  # noqa: E402
+from .config import IMPLEMENTATIONS, SCHEMES, PositionalConfig, positional_config  # noqa: E402
+from .schemes import (CONTEXT_KWARG, NO_ROTATION, SCHEME_RULES, STEP_KWARG, LayerState,  # noqa: E402
+                      NoRotaryEmbedding, alibi_attention_forward, alibi_window_attention_forward,
+                      apply_positional_scheme, attention_forward, fixed_blocks_attention_forward, from_pretrained,
+                      layer_partitions, layer_positional, layer_state, layer_window, model_from_config,
+                      poslsh_attention_forward, register)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ....decoding import Certificate
-from ..cache.poslsh_cache import PoslshCache
+from ..cache import HeadWindowLayer, PoslshCache
 
 __all__ = ["alibi_cache", "windowed_cache_of", "attend_cached", "enable_alibi_generation_cache"]
 
@@ -68,8 +68,6 @@ def alibi_cache(model, *, certificate: Optional[Certificate] = None, sinks: int 
 
 def windowed_cache_of(cache) -> Optional[PoslshCache]:
     """``cache`` when it is a per-head window cache (the layer attends through it), else None."""
-    from ..cache.heads import HeadWindowLayer
-
     if isinstance(cache, PoslshCache) and all(isinstance(layer, HeadWindowLayer) for layer in cache.layers):
         return cache
     return None

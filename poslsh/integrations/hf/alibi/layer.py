@@ -25,7 +25,7 @@ from .attend import attend_rows, update_kv
 from .call import call_of
 from .cache import attend_cached, windowed_cache_of
 
-__all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
+__all__ = ["LayerAlibi", "layer_attention", "certified_logit_range"]
 
 
 @dataclass
@@ -47,14 +47,16 @@ class LayerAlibi:
     key_bias: Optional[Callable[[Tensor], Tensor]] = None
     num_samples: Optional[int] = None
     kv_heads: int = 0
+    positions: str = "cumsum"                     # how the family counts a row's positions (Family.positions)
     owner: Optional[Callable] = None              # weakref to the patched model's config
     last: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, family: str, layer: int, slopes: Tensor, scale: float, *, window, tol, num_samples, seed,
-              backend, key_bias=None, kv_heads: int = 0) -> "LayerAlibi":
+              backend, key_bias=None, kv_heads: int = 0, positions: str = "cumsum") -> "LayerAlibi":
         slopes = slopes.detach().to("cpu", torch.float64)
-        common = dict(backend=backend, key_bias=key_bias, kv_heads=int(kv_heads) or int(slopes.numel()))
+        common = dict(backend=backend, key_bias=key_bias, kv_heads=int(kv_heads) or int(slopes.numel()),
+                      positions=positions)
         if num_samples is not None:
             parts = sample_partitions(1.0 / slopes, num_samples, seed=stable_seed("patch_alibi", seed, layer))
             return cls(family, layer, slopes, scale, "positional_lsh", parts, None, num_samples=num_samples, **common)
@@ -103,22 +105,6 @@ def certified_logit_range(query: Tensor, key: Tensor, scale: float) -> Tensor:
     return 2.0 * abs(scale) * qn * kn
 
 
-def falcon_bf16_bias(slopes32: Tensor, head_dim: int) -> Callable[[Tensor], Tensor]:
-    """Falcon's bias as transformers computes it, ``bf16(bf16(m_h) p_j) / sqrt(head_dim)``, minus the exact
-    ALiBi part ``bf16(m_h) p_j / sqrt(head_dim)`` the op adds: ``positions [m] -> [H, m]`` (float64), the
-    rounding error of the product per key."""
-    m = slopes32.to(torch.float32).to(torch.bfloat16)
-    m64 = m.to(torch.float64)
-    root = float(head_dim) ** 0.5
-
-    def bias(positions: Tensor) -> Tensor:
-        p = positions.to(torch.int64)
-        rounded = (m.to(p.device)[:, None] * p[None, :]).to(torch.float64)           # bfloat16 product, as Falcon
-        return (rounded - m64.to(p.device)[:, None] * p[None, :].to(torch.float64)) / root
-
-    return bias
-
-
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
     """A patched layer's attention: the key/value step, then every row at its own positions with the
     layer's positional object (:func:`~poslsh.integrations.hf.alibi.attend.attend_rows`). ``mask`` is
@@ -135,4 +121,4 @@ def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cac
     positional = st.positional_for(query, key)
     p = float(dropout) if module.training else 0.0
     return attend_rows(query, key, value, call, positional, scale=st.scale, backend=st.backend, k_first=k_first,
-                       dropout=p, key_bias=st.key_bias, rule="index" if st.family == "mpt" else "cumsum")
+                       dropout=p, key_bias=st.key_bias, rule=st.positions)

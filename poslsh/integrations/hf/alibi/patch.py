@@ -29,7 +29,7 @@ from torch import Tensor
 from ... import warn_if_untested
 from .cache import enable_alibi_generation_cache
 from .call import placeholder_mask, pop_call, push_call
-from .families import family_of, layer_slopes
+from .families import Family, family_of, layer_slopes
 from .layer import LayerAlibi
 
 __all__ = ["patch_alibi", "alibi_stats", "IMPLEMENTATION", "register_alibi"]
@@ -52,7 +52,7 @@ def register_alibi() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, placeholder_mask)
 
 
-def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend) -> None:
+def _check_arguments(window, tol, num_samples, falcon_bias, family: Family, backend) -> None:
     if num_samples is not None:
         if window is not None or tol is not None:
             raise ValueError("num_samples: positional LSH replaces the window; pass num_samples or window/tol, "
@@ -71,8 +71,8 @@ def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend
         raise ValueError("tol: a tolerance chooses certified windows; pass window='certified' with it")
     if falcon_bias not in FALCON_BIASES:
         raise ValueError(f"falcon_bias must be one of {FALCON_BIASES}, got {falcon_bias!r}")
-    if falcon_bias != "exact" and family != "falcon":
-        raise ValueError(f"falcon_bias={falcon_bias!r}: only Falcon rounds its bias; this is a {family} model")
+    if falcon_bias != "exact" and family.rounded_bias is None:
+        raise ValueError(f"falcon_bias={falcon_bias!r}: only Falcon rounds its bias; this is a {family.name} model")
     if falcon_bias == "bfloat16" and window == "certified":
         raise ValueError("falcon_bias='bfloat16' with window='certified': the rounded bias is not ALiBi, which "
                          "the certified bound assumes; use falcon_bias='exact' or a fixed window")
@@ -177,7 +177,7 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
     """
     warn_if_untested("patch_alibi")
     fam, attns, bases = family_of(model)
-    _check_arguments(window, tol, num_samples, falcon_bias, fam.name, backend)
+    _check_arguments(window, tol, num_samples, falcon_bias, fam, backend)
     _config_refusals(model.config)
     register_alibi()
     H = fam.heads(attns[0])[0]
@@ -190,7 +190,8 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
         layer = module.layer_idx if module.layer_idx is not None else i
         module._poslsh_alibi = LayerAlibi.build(fam.name, layer, slopes, scale, window=window, tol=tol,
                                                 num_samples=num_samples, seed=seed, backend=backend,
-                                                key_bias=key_bias, kv_heads=fam.kv_heads(module))
+                                                key_bias=key_bias, kv_heads=fam.kv_heads(module),
+                                                positions=fam.positions)
         module._poslsh_alibi.owner = weakref.ref(model.config)
         module.forward = MethodType(fam.forward, module)
     for m in {id(x): x for x in [model, *bases]}.values():

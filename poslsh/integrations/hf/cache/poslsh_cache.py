@@ -1,12 +1,10 @@
 """A bounded KV cache in transformers' cache API: positional LSH, fixed blocks, ALiBi windows.
 
-:class:`PoslshCache` is a ``transformers.Cache`` with one :class:`PoslshCacheLayer` (a
-``DynamicLayer``) per decoder layer. After every forward step a layer drops the keys no
-later query can see (:mod:`poslsh.decoding`: every key before the first key, over heads
-and samples, that the next position sees), so decoding is *exactly* the model's own
-attention and a layer never keeps more than ``cache_bound(positional)`` keys (partitions:
-the widest block minus one, bounded by eq. (4) with high probability; an ALiBi window:
-``max_h w_h``), plus the tokens of the current chunk, whatever the context length.
+:class:`PoslshCache` is a ``transformers.Cache`` with one layer per decoder layer: a
+:class:`~.layer.PoslshCacheLayer` (one tensor, evicted to the widest head's window) or, for ALiBi windows, a
+:class:`~.heads.HeadWindowLayer` (each KV head its own window). Decoding is *exactly* the model's own
+attention, and a layer never keeps more than ``cache_bound(positional)`` keys plus the tokens of the current
+chunk, whatever the context length.
 
 Schemes (:data:`CACHE_SCHEMES`): ``"poslsh"`` and ``"fixed_blocks"`` (the attention passes the
 layer's :class:`~poslsh.partitions.Partitions`) and ``"alibi-window"`` (it passes the layer's
@@ -16,16 +14,9 @@ with the layer it received and its positional object; nothing else is scheme-spe
 How the attention finds its layer: Llama / Qwen3 / Mistral call
 ``cache.update(k, v, layer_idx, kwargs=kwargs)`` with the attention call's keyword
 dict (transformers 5); the layer adds itself to it under :data:`CACHE_KWARG`, so the
-registered attention function (:mod:`poslsh.integrations.hf`) receives the layer and
-with it the positions of the keys it returned.
-
-Positions: keys are kept in *padded* coordinates (index in the batch's token
-sequence, ``[start, total)``). A row's positions start at its first real token, as in
-the prefill without a cache (left padding): the layer learns each row's first real
-token from the causal mask (its diagonal says which new tokens are real). Each step
-runs the op with ``q_start`` / ``k_start`` once per group of rows with the same offsets
-(:mod:`poslsh.integrations.hf.rows`; one call without padding); outputs at padding positions are zero. After
-a packed prefill, :func:`packed_prefill_cache` makes every document its own row.
+registered attention function (:mod:`poslsh.integrations.hf.schemes.attention`) receives the layer and
+with it the positions of the keys it returned. After a packed prefill, :func:`packed_prefill_cache` makes
+every document its own row.
 
 Bad input raises one ``ValueError`` line: a cache built for another model instance,
 scheme, number of samples, block size, partition seed or window; a layer asked to attend
@@ -42,163 +33,16 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from ....decoding import SEQUENCE_KINDS, Certificate, HeadWindows, document_rows
 from ....positional import Positional, check_positional
+from ..rows import left_padded_rows, new_token_validity
 from .heads import HeadWindowLayer
-from .spec import (BLOCK_SCHEMES, CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec,
-                            check_layer)
-from ..rows import left_padded_rows, left_pads, new_token_validity, span_rows_attention
+from .layer import PoslshCacheLayer
+from .spec import CACHE_KWARG, CACHE_SCHEMES, WINDOW_SCHEMES, CacheSpec, check_layer
 
-__all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "CacheSpec", "PoslshCacheLayer",
-           "HeadWindowLayer", "PoslshCache", "Certificate", "attend", "span_rows_attention", "left_pads", "packed_prefill_cache", "generation_cache",
-           "enable_generation_cache"]
-
-class PoslshCacheLayer(DynamicLayer):
-    """The keys and values of one decoder layer, padded positions ``[start, total)``:
-    ``keys [B, Hkv, total - start, d]``, ``values [B, Hkv, total - start, dv]``."""
-
-    is_croppable = False
-
-    def __init__(self, index: int, spec: CacheSpec, owner):
-        super().__init__()
-        self.index, self.spec, self._owner = index, spec, owner    # owner: weakref to the model's config
-        self._clear()
-
-    def _clear(self) -> None:
-        self.total = 0                    # tokens seen, padding included (= next padded position)
-        self.start = 0                    # padded position of keys[..., 0, :]
-        self.pads: Optional[List[Optional[int]]] = None   # per row: padded position of its first real token
-        self.positional: Optional[Positional] = None   # partitions / window the layer evicts with
-        self.peak = 0                     # most keys a step attended to
-        self.pending = False              # updated, not yet attended
-
-    # ----------------------------------------------------------- cache API
-    def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs=None, **extra) -> Tuple[Tensor, Tensor]:
-        if not isinstance(kwargs, dict):
-            raise ValueError("cache: this model does not pass its attention kwargs to cache.update (transformers 5 "
-                             "Llama / Qwen3 / Mistral do), so it cannot use a PoslshCache; use a DynamicCache")
-        if self.pending:
-            raise ValueError(f"cache: layer {self.index}'s last update was never attended by a {'/'.join(CACHE_SCHEMES)} "
-                             f"attention (another attn_implementation, or an error interrupted the step): {NEW_CACHE}")
-        B = key_states.shape[0]
-        if self.pads is None:
-            self.pads = [None] * B
-        elif len(self.pads) != B:
-            raise ValueError(f"cache: it holds {len(self.pads)} rows but got a batch of {B}: use one cache per batch")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.total += key_states.shape[-2]
-        self.peak = max(self.peak, self.keys.shape[-2])
-        self.pending = True
-        kwargs[CACHE_KWARG] = self       # the attention function gets the layer (see the module docstring)
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.total
-
-    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
-        return self.total - self.start + query_length, self.start
-
-    def get_max_length(self) -> int:
-        return -1
-
-    @property
-    def size(self) -> int:
-        """Keys kept now."""
-        return self.total - self.start
-
-    def reset(self) -> None:
-        super().reset()
-        self._clear()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError("cache: a PoslshCache cannot be cropped (evicted keys are gone); assisted "
-                                      "decoding needs a DynamicCache")
-
-    def _rows(self, fn) -> None:
-        if self.is_initialized and self.keys.dim() == 4:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        if self.pads is not None:
-            self.pads = [self.pads[i] for i in beam_idx.tolist()]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
-        if self.pads is not None:
-            self.pads = [p for p in self.pads for _ in range(repeats)]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows(lambda t: t[indices, ...])
-        if self.pads is not None:
-            self.pads = [self.pads[i] for i in torch.arange(len(self.pads))[indices.cpu()].tolist()]
-
-    # ------------------------------------------------------- attention side
-    def check(self, module, scheme: str) -> None:
-        """Raise if the calling attention is not the one this layer was built for."""
-        check_layer(self, module, scheme)
-
-    def observe(self, valid: Optional[Tensor], nq: int) -> None:
-        """Record each row's first real token from ``valid [B, nq]`` (None: all real)."""
-        q_first = self.total - nq
-        if valid is None:
-            firsts = [0] * len(self.pads)
-        else:
-            ar = torch.arange(nq)
-            first = torch.where(valid.any(1), valid.to(torch.int8).argmax(1), nq)
-            if not torch.equal(valid, ar[None] >= first[:, None]):
-                raise ValueError("attention_mask: a row has padding after a real token; a cache takes left padding "
-                                 "only (pad before the prompt, as generate() does)")
-            firsts = first.tolist()
-        for b, f in enumerate(firsts):
-            if self.pads[b] is None:
-                if f < nq:
-                    self.pads[b] = q_first + f
-            elif f != 0:
-                raise ValueError(f"attention_mask: row {b} has padding after its first real token; a cache takes "
-                                 "left padding only (pad before the prompt, as generate() does)")
-
-    def check_positions(self, position_ids: Optional[Tensor], valid: Optional[Tensor], nq: int) -> None:
-        """``position_ids`` of real tokens must continue the cache: counted from each row's
-        first real token (what generate() passes) or from the padded start (the default)."""
-        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != nq:
-            return
-        B = len(self.pads)
-        pid = position_ids.expand(B, nq).cpu()
-        padded = self.total - nq + torch.arange(nq)
-        pads = torch.tensor([-1 if p is None else p for p in self.pads])
-        own = padded[None] - pads[:, None]
-        real = (pads >= 0)[:, None] & (padded[None] >= pads[:, None])
-        if valid is not None:
-            real &= valid
-        bad = real & (pid != own) & (pid != padded[None])
-        if bool(bad.any()):
-            b, i = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"position_ids: row {b} token {i} has position {int(pid[b, i])} but the cache, holding "
-                             f"{self.total - nq} tokens, expects {int(own[b, i])}: feed tokens in order, or start a "
-                             "new cache for a new sequence")
-
-    def evict(self) -> None:
-        """Drop every key no query at or after the next position can see (all rows)."""
-        started = sorted({p for p in self.pads if p is not None})
-        if started:
-            need = self.positional.first_needed([self.total - p for p in started])
-            keep_from = min(p + n for p, n in zip(started, need.tolist()))
-        else:   # no real token yet: nothing a later query can see
-            keep_from = self.total
-        drop = max(keep_from, self.start) - self.start
-        if drop > 0:
-            keep = self.keys.shape[-2] - drop
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            if drop > keep:    # mostly dead storage (after a long prompt): free it now
-                self.keys, self.values = self.keys.clone(), self.values.clone()
-            self.start += drop
+__all__ = ["PoslshCache", "attend", "packed_prefill_cache", "generation_cache", "enable_generation_cache"]
 
 
 def attend(layer, module, scheme: str, query: Tensor, key: Tensor, value: Tensor,
@@ -211,25 +55,8 @@ def attend(layer, module, scheme: str, query: Tensor, key: Tensor, value: Tensor
     ``fixed_blocks``) or :class:`AlibiWindow` (``alibi-window``), the same at every step (checked)."""
     check_layer(layer, module, scheme)
     check_positional(positional, op=SEQUENCE_KINDS)
-    if isinstance(layer, HeadWindowLayer):
-        valid = new_token_validity(allowed, query.shape[0], query.shape[2])
-        return layer.attend_scheme(query, key, value, valid, positional, scale, backend, position_ids)
-    if layer.positional is not None and not layer.positional.same_as(positional):
-        raise ValueError(f"cache: layer {layer.index} evicted its keys for other partitions / another window than "
-                         f"its attention passes now: {NEW_CACHE}")
-    B, nq = query.shape[0], query.shape[2]
-    if key.shape[2] != layer.keys.shape[-2]:
-        raise ValueError(f"cache: layer {layer.index} returned {layer.keys.shape[-2]} keys but the attention got "
-                         f"{key.shape[2]}")
-    valid = new_token_validity(allowed, B, nq)
-    layer.observe(valid, nq)
-    layer.check_positions(position_ids, valid, nq)
-    layer.positional = positional
-    out = span_rows_attention(query, key, value, positional, layer.total - nq, layer.start, layer.pads, scale,
-                              backend)
-    layer.evict()
-    layer.pending = False
-    return out
+    valid = new_token_validity(allowed, query.shape[0], query.shape[2])
+    return layer.attend_scheme(query, key, value, valid, positional, scale, backend, position_ids)
 
 
 class PoslshCache(Cache):
@@ -294,28 +121,15 @@ class PoslshCache(Cache):
         step, ``bound`` (``cache_bound`` of its partitions / window; per head: the widest ring; None before
         the first step) and ``bound_per_head`` (what each query head alone needs); per-head layers add
         ``kept_per_head`` and, certified, the ``certificate``'s counts."""
-        return [l.stats() if isinstance(l, HeadWindowLayer) else
-                {"layer": l.index, "tokens": l.total, "kept": l.size, "peak": l.peak,
-                 "bound": None if l.positional is None else l.positional.cache_bound(),
-                 "bound_per_head": None if l.positional is None else l.positional.cache_bound(per_head=True)}
-                for l in self.layers]
+        return [layer.stats() for layer in self.layers]
 
     def kept_keys(self) -> Tensor:
         """The keys each KV head of each layer holds now: LongTensor ``[num_layers, num_kv_heads]``."""
-        rows = []
-        for l in self.layers:
-            if isinstance(l, HeadWindowLayer):
-                rows.append(l.kept_keys(self.num_kv_heads))
-            else:
-                n = l.keys.shape[1] if l.is_initialized and l.keys.dim() == 4 else self.num_kv_heads
-                rows.append(torch.full((n,), l.size, dtype=torch.int64))
-        return torch.stack(rows)
+        return torch.stack([layer.kept_keys(self.num_kv_heads) for layer in self.layers])
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held now."""
-        return sum(l.nbytes() if isinstance(l, HeadWindowLayer) else
-                   sum(t.numel() * t.element_size() for t in (l.keys, l.values)) if l.is_initialized else 0
-                   for l in self.layers)
+        return sum(layer.nbytes() for layer in self.layers)
 
 
 def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, cu_seqlens: Optional[Tensor] = None,

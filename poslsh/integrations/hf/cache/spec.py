@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..schemes.convert import positional_config
+from ..config import positional_config
 
 __all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
 

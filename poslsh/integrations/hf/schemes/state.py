@@ -26,7 +26,7 @@ from ....modules import PartitionSchedule
 from ....partitions import Partitions
 from ....positional import Positional
 from ....window.kind import NO_WINDOW, AlibiWindow, make_window
-from .convert import positional_config
+from ..config import positional_config
 
 __all__ = ["LayerState", "layer_state", "layer_positional", "layer_partitions", "layer_window", "layer_alibi_bias",
            "training_step"]
