@@ -1,24 +1,58 @@
-"""Batch rows at their own positions: left padding and packed documents in a KV cache.
+"""Batch rows at their own positions, for both families of models: the one op call per group of rows, left
+padding and packed documents in a KV cache.
 
-A cache keeps keys in *padded* coordinates (index in the batch's token sequence); row ``b``'s
-own positions start at its first real token ``pads[b]`` (None: no real token yet), as in the
-prefill without a cache (left padding). These helpers read ``pads`` from masks, attend every
-row at its own positions, and lay out the documents of a packed prefill as left-padded rows,
-for positional LSH (:class:`~poslsh.partitions.Partitions`) and ALiBi windows
-(:class:`~poslsh.AlibiWindow`) alike.
+A cache keeps keys in *padded* coordinates (index in the batch's token sequence); row ``b``'s own positions
+start at its first real token (left padding), as in the prefill without a cache. :func:`attend_row_groups`
+attends the groups of :func:`poslsh.decoding.rows.row_groups` (one :func:`attend_at` call each) and assembles
+the batch: the bounded cache and a full cache (:func:`span_rows_attention`) and the patched ALiBi models
+(:func:`poslsh.integrations.hf.alibi.attend.attend_rows`) all attend through it. The other helpers read the
+padding from masks and lay out the documents of a packed prefill as left-padded rows, for positional LSH
+(:class:`~poslsh.partitions.Partitions`) and ALiBi windows (:class:`~poslsh.AlibiWindow`) alike.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ...attention import attend
 from ...decoding import span_backend
+from ...decoding.rows import RowSpan, row_groups
 from ...positional import Positional
 
-__all__ = ["new_token_validity", "left_pads", "span_rows_attention", "left_padded_rows"]
+__all__ = ["attend_at", "attend_row_groups", "span_rows_attention", "new_token_validity", "left_pads",
+           "left_padded_rows"]
+
+
+def attend_at(q: Tensor, k: Tensor, v: Tensor, positional: Positional, q_start: int, k_start: int, *,
+              scale: float, backend: str, **documents) -> Tensor:
+    """Causal attention of ``q [B, Hq, nq, d]`` at own positions ``[q_start, q_start + nq)`` to ``k / v
+    [B, Hkv, nk, d]`` at ``[k_start, k_start + nk)``: ``[B, Hq, nq, dv]``. Self-attention from position 0 runs
+    without positions (any backend, packed ``documents``); any other span on a backend that serves positions
+    (:func:`poslsh.decoding.span_backend`)."""
+    if q_start == 0 and k_start == 0 and q.shape[2] == k.shape[2]:
+        return attend(q, k, v, positional, causal=True, scale=scale, backend=backend, **documents)
+    return attend(q, k, v, positional, causal=True, scale=scale, backend=span_backend(backend, q, positional.op),
+                  q_start=q_start, k_start=k_start)
+
+
+def attend_row_groups(query: Tensor, dv: int, groups: Dict[RowSpan, List[int]],
+                      attend_span: Callable[[Union[slice, Tensor], RowSpan], Tensor]) -> Tensor:
+    """The batch's output ``[B, Hq, nq, dv]`` from one call per group (:func:`~poslsh.decoding.rows.row_groups`):
+    ``attend_span(rows, span) -> [len(rows), Hq, span.i1 - span.i0, dv]`` (``rows``: ``slice(None)`` for a group
+    of every row, else their indices), zero where no group attends. A batch that is one group of every row and
+    every query is that call's output itself."""
+    B, Hq, nq = query.shape[:3]
+    if len(groups) == 1:
+        span, rows = next(iter(groups.items()))
+        if len(rows) == B and span.i0 == 0 and span.i1 == nq:     # no padding in this call: one call on the batch
+            return attend_span(slice(None), span)
+    out = query.new_zeros(B, Hq, nq, dv)
+    for span, rows in groups.items():
+        idx = slice(None) if len(rows) == B else torch.tensor(rows, device=query.device)
+        out[idx, :, span.i0:span.i1] = attend_span(idx, span)
+    return out
 
 
 def new_token_validity(allowed: Optional[Tensor], B: int, nq: int) -> Optional[Tensor]:
@@ -54,33 +88,19 @@ def left_pads(allowed: Optional[Tensor], B: int, nq: int, nk: int) -> Optional[L
 
 def span_rows_attention(query: Tensor, key: Tensor, value: Tensor, positional: Positional, q_first: int,
                         k_first: int, pads: List[Optional[int]], scale: float, backend: str) -> Tensor:
-    """Causal attention of ``query [B, Hq, nq, d]`` at padded positions ``[q_first, q_first + nq)``
-    to ``key/value [B, Hkv, nk, d]`` at padded ``[k_first, k_first + nk)``, where row ``b``'s own
-    positions start at its first real token ``pads[b]`` (None: no real token yet). One
-    :func:`poslsh.attend` call (positional LSH or the ALiBi window) per group of rows
-    with equal offsets; returns ``[B, Hq, nq, dv]``, zero at padding positions."""
-    B, Hq, nq, _ = query.shape
-    backend = span_backend(backend, query, positional.op)
-    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for b, pad in enumerate(pads):
-        if pad is None or pad >= q_first + nq:
-            continue
-        i0, j0 = max(0, pad - q_first), max(0, pad - k_first)
-        groups.setdefault((i0, j0, q_first + i0 - pad, k_first + j0 - pad), []).append(b)
+    """Causal attention of ``query [B, Hq, nq, d]`` at padded positions ``[q_first, q_first + nq)`` (the last
+    ones) to ``key/value [B, Hkv, nk, d]`` at padded ``[k_first, k_first + nk)``, where row ``b``'s own
+    positions start at its first real token ``pads[b]`` (None: no real token yet). One :func:`poslsh.attend`
+    call (positional LSH or the ALiBi window) per group of rows with equal offsets; returns
+    ``[B, Hq, nq, dv]``, zero at padding positions."""
+    nq, nk = query.shape[2], key.shape[2]
+    runs = [None if pad is None else (pad, q_first + nq) for pad in pads]
 
-    def run(rows, i0, j0, qs, ks):
-        return attend(query[rows, :, i0:], key[rows, :, j0:], value[rows, :, j0:], positional, causal=True,
-                      scale=scale, backend=backend, q_start=qs, k_start=ks)
+    def attend_span(rows, s: RowSpan) -> Tensor:
+        return attend_at(query[rows, :, s.i0:s.i1], key[rows, :, s.j0:s.j1], value[rows, :, s.j0:s.j1], positional,
+                         s.q_start, s.k_start, scale=scale, backend=backend)
 
-    if len(groups) == 1:
-        (i0, j0, qs, ks), rows = next(iter(groups.items()))
-        if i0 == 0 and len(rows) == B:     # no padding in this step: one call on the whole batch
-            return run(slice(None), i0, j0, qs, ks)
-    out = query.new_zeros(B, Hq, nq, value.shape[-1])
-    for (i0, j0, qs, ks), rows in groups.items():
-        idx = torch.tensor(rows, device=query.device)
-        out[idx, :, i0:] = run(idx, i0, j0, qs, ks)
-    return out
+    return attend_row_groups(query, value.shape[-1], row_groups(runs, q_first, nq, k_first, nk), attend_span)
 
 
 def left_padded_rows(documents: Sequence[Tuple[Tensor, Tensor]], positional: Positional

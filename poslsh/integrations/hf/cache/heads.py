@@ -19,7 +19,7 @@ their diagonal.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -122,6 +122,12 @@ class HeadWindowLayer(CacheLayerMixin):
         if self.store.scale is None:
             self.store.scale = scale
         return self.store
+
+    def fill(self, window, keys: Tensor, values: Tensor, *, start: int, pads: List[Optional[int]]) -> None:
+        """Hold a prefill computed elsewhere (:func:`~.poslsh_cache.packed_prefill_cache`): ``keys / values
+        [B, Hkv, L, d]`` at padded positions ``[start, start + L)``, row ``b``'s first real token ``pads[b]``."""
+        self.lazy_initialization(keys, values)
+        self._store_for(window, None).fill(keys, values, start=start, pads=pads)
 
     def attend_window(self, query: Tensor, key: Tensor, value: Tensor, window, *, scale: Optional[float] = None,
                       valid: Optional[Tensor] = None, backend: str = "auto",

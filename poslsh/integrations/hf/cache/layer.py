@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
+from ....decoding.rows import check_row_positions, observe_rows
 from ....positional import Positional
 from ..rows import span_rows_attention
 from .spec import CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE
@@ -113,45 +114,13 @@ class PoslshCacheLayer(DynamicLayer):
             self.pads = [self.pads[i] for i in torch.arange(len(self.pads))[indices.cpu()].tolist()]
 
     # ------------------------------------------------------- attention side
-    def observe(self, valid: Optional[Tensor], nq: int) -> None:
-        """Record each row's first real token from ``valid [B, nq]`` (None: all real)."""
-        q_first = self.total - nq
-        if valid is None:
-            firsts = [0] * len(self.pads)
-        else:
-            ar = torch.arange(nq)
-            first = torch.where(valid.any(1), valid.to(torch.int8).argmax(1), nq)
-            if not torch.equal(valid, ar[None] >= first[:, None]):
-                raise ValueError("attention_mask: a row has padding after a real token; a cache takes left padding "
-                                 "only (pad before the prompt, as generate() does)")
-            firsts = first.tolist()
-        for b, f in enumerate(firsts):
-            if self.pads[b] is None:
-                if f < nq:
-                    self.pads[b] = q_first + f
-            elif f != 0:
-                raise ValueError(f"attention_mask: row {b} has padding after its first real token; a cache takes "
-                                 "left padding only (pad before the prompt, as generate() does)")
-
-    def check_positions(self, position_ids: Optional[Tensor], valid: Optional[Tensor], nq: int) -> None:
-        """``position_ids`` of real tokens must continue the cache: counted from each row's
-        first real token (what generate() passes) or from the padded start (the default)."""
-        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != nq:
-            return
-        B = len(self.pads)
-        pid = position_ids.expand(B, nq).cpu()
-        padded = self.total - nq + torch.arange(nq)
-        pads = torch.tensor([-1 if p is None else p for p in self.pads])
-        own = padded[None] - pads[:, None]
-        real = (pads >= 0)[:, None] & (padded[None] >= pads[:, None])
-        if valid is not None:
-            real &= valid
-        bad = real & (pid != own) & (pid != padded[None])
-        if bool(bad.any()):
-            b, i = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"position_ids: row {b} token {i} has position {int(pid[b, i])} but the cache, holding "
-                             f"{self.total - nq} tokens, expects {int(own[b, i])}: feed tokens in order, or start a "
-                             "new cache for a new sequence")
+    def fill(self, positional: Positional, keys: Tensor, values: Tensor, *, start: int,
+             pads: List[Optional[int]]) -> None:
+        """Hold a prefill computed elsewhere (:func:`~.poslsh_cache.packed_prefill_cache`): ``keys / values
+        [B, Hkv, L, d]`` at padded positions ``[start, start + L)``, row ``b``'s first real token ``pads[b]``."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.total, self.start = keys, values, start + keys.shape[2], start
+        self.pads, self.positional = list(pads), positional
 
     def evict(self) -> None:
         """Drop every key no query at or after the next position can see (all rows)."""
@@ -181,8 +150,8 @@ class PoslshCacheLayer(DynamicLayer):
         if key.shape[2] != self.keys.shape[-2]:
             raise ValueError(f"cache: layer {self.index} returned {self.keys.shape[-2]} keys but the attention got "
                              f"{key.shape[2]}")
-        self.observe(valid, nq)
-        self.check_positions(position_ids, valid, nq)
+        observe_rows(self.pads, self.total - nq, valid, nq)
+        check_row_positions(self.pads, self.total - nq, position_ids, valid, nq)
         self.positional = positional
         out = span_rows_attention(query, key, value, positional, self.total - nq, self.start, self.pads, scale,
                                   backend)

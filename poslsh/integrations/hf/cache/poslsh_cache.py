@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ....decoding import SEQUENCE_KINDS, Certificate, HeadWindows, document_rows
+from ....decoding import SEQUENCE_KINDS, Certificate, document_rows
 from ....positional import Positional, check_positional
 from ..rows import left_padded_rows, new_token_validity
 from .heads import HeadWindowLayer
@@ -159,17 +159,8 @@ def packed_prefill_cache(model, prefill, positionals: Sequence[Positional], *, c
                          f"objects for a model of {len(cache.layers)} layers")
     for layer, (k, v), positional in zip(cache.layers, pairs, positionals):
         rows = document_rows(k, v, cu_seqlens=cu_seqlens, document_ids=document_ids)
-        keys, values, total, start, pads = left_padded_rows(rows, check_positional(positional, op=SEQUENCE_KINDS))
-        if isinstance(layer, HeadWindowLayer):
-            layer.lazy_initialization(keys, values)
-            layer.positional = positional
-            layer.store = HeadWindows(positional, certificate=layer.certificate, sinks=layer.sinks,
-                                      name=f"layer {layer.index}")
-            layer.store.fill(keys, values, start=start, pads=pads)
-            continue
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values, layer.total, layer.start = keys, values, total, start
-        layer.pads, layer.positional = pads, positional
+        keys, values, _, start, pads = left_padded_rows(rows, check_positional(positional, op=SEQUENCE_KINDS))
+        layer.fill(positional, keys, values, start=start, pads=pads)
     return cache
 
 
