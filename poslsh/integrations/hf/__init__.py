@@ -30,12 +30,12 @@ require_transformers()      # one line naming what to install, before the import
 
 from .alibi import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
 from .cache import PoslshCache, enable_generation_cache, generation_cache  # noqa: E402
-from .config import IMPLEMENTATIONS, SCHEMES, PositionalConfig, positional_config  # noqa: E402
-from .schemes import (CONTEXT_KWARG, NO_ROTATION, SCHEME_RULES, STEP_KWARG, LayerState,  # noqa: E402
-                      NoRotaryEmbedding, alibi_attention_forward, alibi_window_attention_forward,
-                      apply_positional_scheme, attention_forward, fixed_blocks_attention_forward, from_pretrained,
-                      layer_partitions, layer_positional, layer_state, layer_window, model_from_config,
-                      poslsh_attention_forward, register)
+from .config import IMPLEMENTATIONS, SCHEME_RULES, SCHEMES, PositionalConfig, positional_config  # noqa: E402
+from .schemes import (CONTEXT_KWARG, NO_ROTATION, STEP_KWARG, LayerState, NoRotaryEmbedding,  # noqa: E402
+                      alibi_attention_forward, alibi_window_attention_forward, apply_positional_scheme,
+                      attention_forward, fixed_blocks_attention_forward, from_pretrained, layer_partitions,
+                      layer_positional, layer_state, layer_window, model_from_config, poslsh_attention_forward,
+                      register)
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",

@@ -1,25 +1,29 @@
 """The positional scheme of a converted model, saved with its config as ``config.poslsh``
-(:class:`PositionalConfig`), and what each scheme is.
+(:class:`PositionalConfig`), and what each scheme is (:data:`SCHEME_RULES`).
 
 Shared by the schemes (:mod:`.schemes` converts models and attends with it) and the cache (:mod:`.cache`
 keys a :class:`~poslsh.integrations.hf.cache.PoslshCache` on it), so it sits below both.
+
+A scheme's name is its ``attn_implementation`` (``"poslsh"``, ``"fixed_blocks"``, ``"alibi"``,
+``"alibi-window"``): a user-facing word, saved in ``config.json``, so it stays a string. Everything else about a
+scheme is its entry in :data:`SCHEME_RULES`, and whatever depends on its positional kind (e.g. whether a cache
+keeps a store per head) is asked of the kind, as the core asks ``positional.op``.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Optional, Tuple, Union
 
 from ...alibi import alibi_sigmas, alibi_slopes
-from ...partitions import check_sampler
+from ...partitions import Partitions, check_sampler
 from ...window.cost import cost_matched_window
 from ...window.kind import AlibiWindow, make_window, windows_in_sigmas
 
-__all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "WINDOW_FIELDS", "PositionalConfig", "positional_config"]
+__all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "WINDOW_FIELDS", "POSITIONAL_FIELDS", "SchemeRules",
+           "SCHEME_RULES", "PositionalConfig", "positional_config"]
 
-SCHEMES = ("original", "alibi", "poslsh", "fixed_blocks", "alibi-window")
-IMPLEMENTATIONS = ("alibi", "poslsh", "fixed_blocks", "alibi-window")
 CONFIG_KEY = "poslsh"
 WINDOW_FIELDS = ("window_sigmas", "window_cost_samples")
 
@@ -76,6 +80,32 @@ class PositionalConfig:
         else:
             window = cost_matched_window(sigma, self.window_cost_samples)
         return make_window(alibi_slopes(num_heads), window)
+
+
+# The fields that decide a scheme's positional object (all but the scheme's name, the backend and a flag).
+POSITIONAL_FIELDS = tuple(sorted(f.name for f in fields(PositionalConfig)
+                                 if f.name not in ("scheme", "backend", "rope_removed")))
+
+
+class SchemeRules(NamedTuple):
+    """What differs between the schemes; everything else is one attention function and one cache."""
+
+    kind: type            # the positional kind its layers attend with (asked: its op, its per-head store)
+    near_linear: bool     # the near-linear ops and a bounded cache (else exact ALiBi: dense like stock sdpa)
+    resampled: bool       # training draws new partitions every forward (decoding needs model.eval())
+    depends_on: Tuple[str, ...]    # PositionalConfig fields its positional object depends on (a cache keys on them)
+
+
+SCHEME_RULES = {
+    "alibi": SchemeRules(AlibiWindow, near_linear=False, resampled=False, depends_on=()),
+    "poslsh": SchemeRules(Partitions, near_linear=True, resampled=True,
+                          depends_on=("num_samples", "eval_seed", "sampler", "group_size")),
+    "fixed_blocks": SchemeRules(Partitions, near_linear=True, resampled=True, depends_on=("block_size",)),
+    # whichever fields carry its windows: every positional field (a change makes a cache stale)
+    "alibi-window": SchemeRules(AlibiWindow, near_linear=True, resampled=False, depends_on=POSITIONAL_FIELDS),
+}
+IMPLEMENTATIONS = tuple(SCHEME_RULES)                # the attn_implementation names registered
+SCHEMES = ("original",) + IMPLEMENTATIONS            # "original": RoPE and sdpa, as the model came
 
 
 def positional_config(config) -> PositionalConfig:

@@ -41,8 +41,8 @@ def _kv_heads(module) -> int:
 def _why_not(layers) -> Optional[str]:
     if not layers:
         return "the model is not patched; call patch_alibi(model, window=...) first"
-    modes = {st.mode for st in layers}
-    if modes != {"window"}:
+    if not all(st.fixed_windows for st in layers):
+        modes = {st.mode for st in layers}
         return (f"the model attends with {'/'.join(sorted(modes))} (fixed windows only: exact ALiBi, certified "
                 "windows and positional LSH need every past key; use transformers' DynamicCache)")
     if any(st.key_bias is not None for st in layers):
@@ -76,7 +76,7 @@ def windowed_cache_of(cache) -> Optional[PoslshCache]:
 def attend_cached(cache: PoslshCache, st, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, call) -> Tensor:
     """One patched layer's step on a per-head window cache: ``[B, Hq, nq, dv]``; a left pad's row is the
     model's (every key of the row weighed equally)."""
-    if st.mode != "window" or st.key_bias is not None:
+    if not st.fixed_windows or st.key_bias is not None:
         raise ValueError(f"cache: a per-head window cache serves layers with fixed windows; layer {layer_idx} "
                          f"attends with {st.mode if st.key_bias is None else 'the bfloat16 Falcon bias'}; "
                          "use transformers' DynamicCache")

@@ -11,36 +11,50 @@ estimate. ``O(B H n d)`` per call, no ``n x n``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ....partitions import sample_partitions
+from ....decoding import PER_HEAD_STORES
+from ....partitions import Partitions, sample_partitions
 from ....positional import Positional
 from ....seeding import stable_seed
-from ....window.kind import NO_WINDOW, make_window
+from ....window.kind import NO_WINDOW, AlibiWindow, make_window
 from ....window.theory import smallest_window
 from .attend import attend_rows, update_kv
 from .call import call_of
 from .cache import attend_cached, windowed_cache_of
 
-__all__ = ["LayerAlibi", "layer_attention", "certified_logit_range"]
+__all__ = ["LayerAlibi", "STATS_MODES", "keeps_every_key", "layer_attention", "certified_logit_range"]
+
+
+# alibi_stats()'s "mode" field is a word for people reading the report (documented in docs/alibi_models.md), so
+# a string; it is derived here, and only here, from the layer's positional object: None (windows chosen per call),
+# an object that cuts no key (exact ALiBi), else its kind's op. Nothing decides anything on these words.
+STATS_MODES = {Partitions.op: "positional_lsh", AlibiWindow.op: "window"}
+CERTIFIED, EXACT = "certified", "exact"
+
+
+def keeps_every_key(positional: Positional) -> bool:
+    """Exact ALiBi: no head of ``positional`` cuts a key (asked of the object: every head's cache bound is
+    :data:`~poslsh.window.kind.NO_WINDOW`)."""
+    return all(bound >= NO_WINDOW for bound in positional.cache_bound(per_head=True))
 
 
 @dataclass
 class LayerAlibi:
     """A patched layer: ``slopes`` float64 ``[H]`` in logit units (what multiplies ``|i - j|`` after the
-    logit scale), ``scale`` (the logit scale of ``q . k``), ``mode`` (``"exact"``, ``"window"``,
-    ``"certified"``, ``"positional_lsh"``), the fixed ``positional`` object (None for certified windows,
-    chosen per call), ``tol``, ``backend``, ``key_bias`` (Falcon's bfloat16 rounding term, or None),
-    ``last`` (the windows and logit ranges of the last call)."""
+    logit scale), ``scale`` (the logit scale of ``q . k``), the fixed ``positional`` object (exact ALiBi, fixed
+    windows or positional LSH; None for certified windows, chosen per call with ``tol``), ``backend``,
+    ``key_bias`` (Falcon's bfloat16 rounding term, or None), ``last`` (the windows and logit ranges of the last
+    certified call). What it is (:attr:`mode`, :attr:`exact`, :attr:`fixed_windows`) is asked of the object."""
 
     family: str
     layer: int
     slopes: Tensor
     scale: float
-    mode: str
     positional: Optional[Positional]
     tol: Optional[float]
     backend: str
@@ -59,21 +73,37 @@ class LayerAlibi:
                       positions=positions)
         if num_samples is not None:
             parts = sample_partitions(1.0 / slopes, num_samples, seed=stable_seed("patch_alibi", seed, layer))
-            return cls(family, layer, slopes, scale, "positional_lsh", parts, None, num_samples=num_samples, **common)
-        if isinstance(window, str):
-            return cls(family, layer, slopes, scale, "certified", None, float(tol), **common)
-        if window is None:
-            return cls(family, layer, slopes, scale, "exact", make_window(slopes, NO_WINDOW), None, **common)
-        return cls(family, layer, slopes, scale, "window", make_window(slopes, window), None, **common)
+            return cls(family, layer, slopes, scale, parts, None, num_samples=num_samples, **common)
+        if isinstance(window, str):                 # "certified": the windows of each call's bound
+            return cls(family, layer, slopes, scale, None, float(tol), **common)
+        window = NO_WINDOW if window is None else window
+        return cls(family, layer, slopes, scale, make_window(slopes, window), None, **common)
+
+    @cached_property
+    def exact(self) -> bool:
+        """Exact ALiBi: a fixed object that cuts no key."""
+        return self.positional is not None and keeps_every_key(self.positional)
+
+    @property
+    def fixed_windows(self) -> bool:
+        """A per-head window cache can decode this layer: its object is fixed (not chosen per call), its kind keeps
+        a store per KV head (:data:`poslsh.decoding.PER_HEAD_STORES`) and it drops keys (exact ALiBi needs all)."""
+        return self.positional is not None and self.positional.op in PER_HEAD_STORES and not self.exact
+
+    @property
+    def mode(self) -> str:
+        """``alibi_stats()``'s word for this layer: ``"exact"``, ``"window"``, ``"certified"`` or
+        ``"positional_lsh"`` (see :data:`STATS_MODES`)."""
+        if self.positional is None:
+            return CERTIFIED
+        return EXACT if self.exact else STATS_MODES[self.positional.op]
 
     def positional_for(self, query: Tensor, key: Tensor) -> Positional:
         """The positional object of this call (certified: the windows this call's bound needs)."""
         if self.positional is not None:
-            pos = self.positional if self.positional.device == query.device else self.positional.to(query.device)
-            self.positional = pos
-            if self.mode == "window":
-                self.last = {"window": pos.window.tolist()}
-            return pos
+            if self.positional.device != query.device:
+                self.positional = self.positional.to(query.device)
+            return self.positional
         R = certified_logit_range(query, key, self.scale)
         w = smallest_window(self.tol, 1.0 / self.slopes, R.cpu(), causal=True, n=max(int(key.shape[2]), 1))
         self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2])}
@@ -82,15 +112,13 @@ class LayerAlibi:
     def stats(self) -> dict:
         out = {"layer": self.layer, "family": self.family, "mode": self.mode, "heads": int(self.slopes.numel()),
                "slopes": self.slopes.tolist(), "falcon_bias": "bfloat16" if self.key_bias is not None else None}
-        if self.mode == "exact":
-            out["window"] = None
-        elif self.mode == "window":
-            out["window"] = self.positional.window.tolist()
-        elif self.mode == "certified":
+        if self.positional is None:                 # certified: the windows of the last call
             out.update(tol=self.tol, window=self.last.get("window"), logit_range=self.last.get("logit_range"),
                        keys=self.last.get("keys"))
-        else:
+        elif self.num_samples is not None:          # positional LSH
             out["num_samples"] = self.num_samples
+        else:
+            out["window"] = None if self.exact else self.positional.window.tolist()
         return out
 
 

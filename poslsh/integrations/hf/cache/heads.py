@@ -27,10 +27,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ....decoding import Certificate, HeadWindows, span_backend
 from ....positional import check_positional
+from .spec import NEW_CACHE, WINDOW_SCHEMES
 
 __all__ = ["HeadWindowLayer"]
-
-NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
 
 
 class HeadWindowLayer(CacheLayerMixin):
@@ -62,8 +61,9 @@ class HeadWindowLayer(CacheLayerMixin):
                              "Llama / Qwen3 / Mistral do); an attention with per-head windows calls "
                              "cache.attend_window(layer_idx, query, key, value, window) instead")
         if self.pending is not None:
-            raise ValueError(f"cache: layer {self.index}'s last update was never attended by an alibi-window "
-                             f"attention (another attn_implementation, or an error interrupted the step): {NEW_CACHE}")
+            raise ValueError(f"cache: layer {self.index}'s last update was never attended by an "
+                             f"{'/'.join(WINDOW_SCHEMES)} attention (another attn_implementation, or an error "
+                             f"interrupted the step): {NEW_CACHE}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
@@ -147,7 +147,7 @@ class HeadWindowLayer(CacheLayerMixin):
         """
         if self.pending is not None:
             raise ValueError(f"cache: layer {self.index} was updated through cache.update and not attended: call "
-                             "attend_window without update, or let the alibi-window attention attend")
+                             f"attend_window without update, or let the {'/'.join(WINDOW_SCHEMES)} attention attend")
         if self.store is not None and self.store.K is not None and query.device != self.store.device:
             raise ValueError(f"cache: layer {self.index} holds its keys on {self.store.device} but the model runs on "
                              f"{query.device}: build the cache after moving the model, or move the model back")

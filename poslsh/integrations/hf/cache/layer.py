@@ -54,8 +54,9 @@ class PoslshCacheLayer(DynamicLayer):
             raise ValueError("cache: this model does not pass its attention kwargs to cache.update (transformers 5 "
                              "Llama / Qwen3 / Mistral do), so it cannot use a PoslshCache; use a DynamicCache")
         if self.pending:
-            raise ValueError(f"cache: layer {self.index}'s last update was never attended by a {'/'.join(CACHE_SCHEMES)} "
-                             f"attention (another attn_implementation, or an error interrupted the step): {NEW_CACHE}")
+            raise ValueError(f"cache: layer {self.index}'s last update was never attended by a "
+                             f"{'/'.join(CACHE_SCHEMES)} attention (another attn_implementation, or an error "
+                             f"interrupted the step): {NEW_CACHE}")
         B = key_states.shape[0]
         if self.pads is None:
             self.pads = [None] * B

@@ -79,13 +79,14 @@ class PoslshCache(Cache):
                              f"this model runs {scheme!r}; use transformers' DynamicCache")
         heads = per_head and scheme in WINDOW_SCHEMES
         if not heads and (certificate is not None or sinks):
-            raise ValueError(f"certificate / sinks: only per-head window caches (alibi-window, per_head=True) check a "
-                             f"certificate or keep sinks; {scheme} keeps its own bound")
+            raise ValueError(f"certificate / sinks: only per-head window caches ({'/'.join(WINDOW_SCHEMES)}, "
+                             f"per_head=True) check a certificate or keep sinks; {scheme} keeps its own bound")
         spec = CacheSpec.of(config, scheme)
         owner = weakref.ref(config)
         n = config.num_hidden_layers
-        super().__init__(layers=[HeadWindowLayer(i, spec, owner, certificate=certificate, sinks=sinks, kwarg=CACHE_KWARG)
-                                 if heads else PoslshCacheLayer(i, spec, owner) for i in range(n)])
+        super().__init__(layers=[HeadWindowLayer(i, spec, owner, certificate=certificate, sinks=sinks,
+                                                 kwarg=CACHE_KWARG) if heads else PoslshCacheLayer(i, spec, owner)
+                                 for i in range(n)])
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
     @classmethod

@@ -3,51 +3,44 @@
 the one it was built for (one ``ValueError`` line each)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
-from ..config import positional_config
+from ....decoding import PER_HEAD_STORES
+from ..config import POSITIONAL_FIELDS, SCHEME_RULES, positional_config
 
-__all__ = ["CACHE_KWARG", "BLOCK_SCHEMES", "WINDOW_SCHEMES", "CACHE_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
+__all__ = ["CACHE_KWARG", "WINDOW_SCHEMES", "CACHE_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
 
 CACHE_KWARG = "poslsh_cache_layer"
-BLOCK_SCHEMES = ("poslsh", "fixed_blocks")          # the attention passes Partitions
-WINDOW_SCHEMES = ("alibi-window",)                  # the attention passes an AlibiWindow
-CACHE_SCHEMES = BLOCK_SCHEMES + WINDOW_SCHEMES
+# The schemes a cache serves: those whose positional object drops keys (exact ALiBi keeps every one) ...
+CACHE_SCHEMES = tuple(name for name, rules in SCHEME_RULES.items() if rules.near_linear)
+# ... and of them, those whose kind keeps a store per KV head (asked of the kind, as decoding asks it)
+WINDOW_SCHEMES = tuple(name for name in CACHE_SCHEMES if SCHEME_RULES[name].kind.op in PER_HEAD_STORES)
 NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
-# PositionalConfig fields that cannot change what a window scheme attends to
-_NOT_POSITIONAL = ("scheme", "backend", "rope_removed")
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What the positional weights of a model's attention depend on (fields a scheme ignores
-    are None). A window scheme keys on every field of the model's ``PositionalConfig`` but the
-    backend (``params``): whichever of them carry its windows, a change makes the cache stale."""
+    """What the positional weights of a model's attention depend on: its scheme, its query heads and the
+    ``PositionalConfig`` fields the scheme's positional object reads (``params``, its
+    :attr:`~poslsh.integrations.hf.config.SchemeRules.depends_on`; a scheme without rules: every positional
+    field). A change of any makes the cache stale."""
 
     scheme: str
     num_heads: int
-    num_samples: Optional[int] = None     # poslsh
-    eval_seed: Optional[int] = None       # poslsh
-    block_size: Optional[int] = None      # fixed_blocks
-    params: Optional[tuple] = None        # window schemes: ((field, value), ...)
+    params: tuple = ()                    # ((field, value), ...)
 
     @classmethod
     def of(cls, config, scheme: Optional[str] = None) -> "CacheSpec":
         pc = positional_config(config)
         scheme = scheme or config._attn_implementation
-        H = int(config.num_attention_heads)
-        if scheme == "poslsh":
-            return cls(scheme, H, num_samples=pc.num_samples, eval_seed=pc.eval_seed)
-        if scheme in WINDOW_SCHEMES:
-            return cls(scheme, H, params=tuple((k, _frozen(v)) for k, v in sorted(asdict(pc).items())
-                                               if k not in _NOT_POSITIONAL))
-        return cls(scheme, H, block_size=pc.block_size)
+        rules = SCHEME_RULES.get(scheme)
+        depends_on = POSITIONAL_FIELDS if rules is None else rules.depends_on
+        return cls(scheme, int(config.num_attention_heads),
+                   tuple((name, _frozen(getattr(pc, name))) for name in depends_on))
 
     def __str__(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v is not None and k not in ("scheme", "params"))
-        extra += "".join(f", {k}={v}" for k, v in self.params or ())
-        return f"{self.scheme} ({extra})"
+        return f"{self.scheme} (num_heads={self.num_heads}{''.join(f', {k}={v}' for k, v in self.params)})"
 
 
 def _frozen(value):
@@ -55,7 +48,6 @@ def _frozen(value):
     if isinstance(value, dict):
         return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
     return tuple(_frozen(x) for x in value) if isinstance(value, (list, tuple)) else value
-
 
 
 def check_layer(layer, module, scheme: str) -> None:

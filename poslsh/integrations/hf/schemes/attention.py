@@ -3,7 +3,7 @@
 :func:`attention_forward` (``fn(scheme, module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d],
 attention_mask, scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``) attends with the layer's
 positional object (:func:`~.state.layer_positional`) through :func:`poslsh.attend`; the schemes differ only
-in that object and their :data:`SCHEME_RULES`:
+in that object and their rules (:data:`poslsh.integrations.hf.config.SCHEME_RULES`):
 
 * ``"poslsh"``: positional LSH (:class:`poslsh.Partitions`, drawn per layer);
 * ``"fixed_blocks"``: the paper's fixed-blocks baseline (one deterministic partition);
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -49,15 +49,15 @@ from torch import Tensor
 from ....attention import attend
 from ....reference import dense_attention
 from .. import cache
-from ..cache import CACHE_KWARG
-from ..config import positional_config
+from ..cache import CACHE_KWARG, CACHE_SCHEMES
+from ..config import SCHEME_RULES, positional_config
 from ..masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
                      padded_self_attention, window_mask)
 from ..rows import left_pads, span_rows_attention
 from .convert import register_rope_type
 from .state import layer_alibi_bias, layer_positional
 
-__all__ = ["attention_forward", "SCHEME_RULES", "SchemeRules", "poslsh_attention_forward",
+__all__ = ["attention_forward", "poslsh_attention_forward",
            "fixed_blocks_attention_forward", "alibi_attention_forward", "alibi_window_attention_forward", "register",
            "STEP_KWARG", "CONTEXT_KWARG"]
 
@@ -139,17 +139,6 @@ def _fast(attend_op, query, key, value, allowed, causal: bool, window: Optional[
     return out
 
 
-class SchemeRules(NamedTuple):
-    """What differs between the schemes; everything else is one attention function."""
-
-    near_linear: bool     # the near-linear ops (else dense like stock sdpa: exact ALiBi)
-    resampled: bool       # training draws new partitions every forward (decoding needs model.eval())
-
-
-SCHEME_RULES = {"poslsh": SchemeRules(True, True), "fixed_blocks": SchemeRules(True, True),
-                "alibi-window": SchemeRules(True, False), "alibi": SchemeRules(False, False)}
-
-
 def attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0,
                       **kwargs):
     """The attention of every scheme (:data:`SCHEME_RULES`): ``(module, q [B, Hq, nq, d], k/v [B, Hkv, nk, d],
@@ -163,10 +152,10 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
     layer = kwargs.pop(CACHE_KWARG, None)
     if not rules.near_linear and context is not None:
         raise ValueError(f"poslsh_context: exact ALiBi cannot run context-parallel ({scheme}: every query sees every "
-                         "earlier key); use the poslsh, fixed_blocks or alibi-window implementation")
+                         f"earlier key); use the {' / '.join(CACHE_SCHEMES)} implementation")
     if not rules.near_linear and layer is not None:
-        raise ValueError("cache: a PoslshCache serves poslsh, fixed_blocks and alibi-window attention but this model "
-                         "runs exact ALiBi (every key stays needed); use transformers' DynamicCache")
+        raise ValueError(f"cache: a PoslshCache serves {' / '.join(CACHE_SCHEMES)} attention but this model runs "
+                         "exact ALiBi (every key stays needed); use transformers' DynamicCache")
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     B, H, nq, d = query.shape
