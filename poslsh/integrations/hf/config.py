@@ -63,7 +63,8 @@ class PositionalConfig:
             raise ValueError("alibi-window needs exactly one of window_sigmas (w_h = window_sigmas * sigma_h) or "
                              f"window_cost_samples (positional LSH's keys per query at s samples), got {c!r} and {s!r}")
         if self.scheme != "alibi-window" and (c is not None or s is not None):
-            raise ValueError(f"window_sigmas / window_cost_samples are for the alibi-window scheme, not {self.scheme!r}")
+            raise ValueError(f"window_sigmas / window_cost_samples are for the alibi-window scheme, not "
+                             f"{self.scheme!r}")
 
     @property
     def implementation(self) -> str:

@@ -7,7 +7,8 @@
   windows) and its attention;
 * :mod:`.attend`: every query row the model's own, one op call per group of rows, exact dropout;
 * :mod:`.call`: the padding mask and packed documents of the call, from the base model's own arguments;
-* :mod:`.cache`: :func:`alibi_cache`, decoding on per-head windows (a :class:`~poslsh.integrations.hf.cache.PoslshCache`).
+* :mod:`.cache`: :func:`alibi_cache`, decoding on per-head windows (a
+  :class:`~poslsh.integrations.hf.cache.PoslshCache`).
 """
 from .cache import alibi_cache
 from .patch import alibi_stats, patch_alibi

@@ -3,7 +3,7 @@ call per group of rows, the key/value step, and exact dropout.
 
 transformers masks keys, not queries: a query whose own token is padding still attends, and models read
 those rows (a classifier's pooled token, the causal-LM shift from the last left pad). So for each batch row
-with real tokens ``[s, e)`` (the :class:`~poslsh.integrations.hf.alibi.call.AlibiCall`'s mask) :func:`attend_rows` gives
+with real tokens ``[s, e)`` (the :class:`~.call.AlibiCall`'s mask) :func:`attend_rows` gives
 
 * queries in ``[s, e)``: causal ALiBi-family attention to the run's keys at their own positions, one
   :func:`poslsh.attend` per group of rows with equal offsets (one call for an unpadded batch);

@@ -135,8 +135,8 @@ def certified_logit_range(query: Tensor, key: Tensor, scale: float) -> Tensor:
 
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
     """A patched layer's attention: the key/value step, then every row at its own positions with the
-    layer's positional object (:func:`~poslsh.integrations.hf.alibi.attend.attend_rows`). ``mask`` is
-    whatever the model passed its layer: only a key to the call (:func:`~poslsh.integrations.hf.alibi.call.call_of`), never
+    layer's positional object (:func:`~.attend.attend_rows`). ``mask`` is
+    whatever the model passed its layer: only a key to the call (:func:`~.call.call_of`), never
     read. ``[B, Hq, nq, dv]``."""
     st: LayerAlibi = module._poslsh_alibi
     call = call_of(mask)

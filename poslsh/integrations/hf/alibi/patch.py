@@ -4,8 +4,8 @@ the library's ops, exact or windowed, at any length, without an ``n x n`` tensor
 What patching does (in place, on the given model and its modules):
 
 * every attention module (``BloomAttention``, ``MptAttention``, ``FalconAttention``) gets a forward that
-  runs the module's own projections and output (:mod:`poslsh.integrations.hf.alibi.families`), and attends through
-  :func:`poslsh.attend` with the layer's positional object (:mod:`poslsh.integrations.hf.alibi.layer`): exact ALiBi
+  runs the module's own projections and output (:mod:`.families`), and attends through
+  :func:`poslsh.attend` with the layer's positional object (:mod:`.layer`): exact ALiBi
   (:class:`~poslsh.AlibiWindow` with :data:`~poslsh.window.kind.NO_WINDOW`), fixed or certified windows,
   or positional LSH (:class:`~poslsh.Partitions`);
 * ``config._attn_implementation`` becomes ``"poslsh_alibi"``, whose registered mask builder hands the
@@ -13,7 +13,7 @@ What patching does (in place, on the given model and its modules):
   implementation name is not saved by ``save_pretrained``);
 * forward hooks on the model and its base model refuse ``output_attentions`` / ``head_mask`` and push
   the call's padding mask and packed documents (``position_ids`` that restart, transformers' rule: no
-  mask, no cache) where the layers read them (:mod:`poslsh.integrations.hf.alibi.call`): what the model does with its mask
+  mask, no cache) where the layers read them (:mod:`.call`): what the model does with its mask
   before the layers run does not matter.
 """
 from __future__ import annotations
@@ -156,10 +156,10 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
 
     Args:
         model: the model (not a copy; returned).
-        window: ``None``: exact ALiBi over every key; a number (whole, or inf) or ``[H]`` (sequence or tensor): exact ALiBi cut
-            at those windows, keys with ``|i - j| <= window_h``; ``"certified"`` with ``tol``: per call and
-            head the smallest window whose bound on the dropped softmax mass is ``<= tol``
-            (:mod:`poslsh.integrations.hf.alibi.layer` says how the logit range is bounded).
+        window: ``None``: exact ALiBi over every key; a number (whole, or inf) or ``[H]`` (sequence or tensor):
+            exact ALiBi cut at those windows, keys with ``|i - j| <= window_h`` (windows that cut no key are exact
+            ALiBi, as ``None``); ``"certified"`` with ``tol``: per call and head the smallest window whose bound
+            on the dropped softmax mass is ``<= tol`` (:mod:`.layer` says how the logit range is bounded).
         tol: the tolerance of ``window="certified"``.
         num_samples: positional LSH with the model's own bandwidths ``sigma_h = 1 / m_h``: ``num_samples``
             partitions per head, fixed per layer (seeded by ``seed`` and the layer), one softmax with the

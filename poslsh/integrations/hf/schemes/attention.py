@@ -143,7 +143,7 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
                       **kwargs):
     """The attention of every scheme (:data:`SCHEME_RULES`): ``(module, q [B, Hq, nq, d], k/v [B, Hkv, nk, d],
     mask, ...) -> ([B, nq, Hq, dv], None)``, attending with the layer's positional object
-    (:func:`~poslsh.integrations.hf.schemes.state.layer_positional`: partitions or a window) through
+    (:func:`~.state.layer_positional`: partitions or a window) through
     :func:`poslsh.attend`; context-parallel shards, :class:`PoslshCache` steps, packed documents, padding
     and a full cache take the near-linear ops, any other mask the exact dense path."""
     rules = SCHEME_RULES[scheme]
