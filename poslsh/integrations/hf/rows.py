@@ -5,7 +5,7 @@ A cache keeps keys in *padded* coordinates (index in the batch's token sequence)
 start at its first real token (left padding), as in the prefill without a cache. :func:`attend_row_groups`
 attends the groups of :func:`poslsh.decoding.rows.row_groups` (one :func:`attend_at` call each) and assembles
 the batch: the bounded cache and a full cache (:func:`span_rows_attention`) and the patched ALiBi models
-(:func:`poslsh.integrations.hf.alibi.attend.attend_rows`) all attend through it. The other helpers read the
+(:func:`poslsh.integrations.hf.alibi.attend.attend_rows`) all attend through it. The other functions read the
 padding from masks and lay out the documents of a packed prefill as left-padded rows, for positional LSH
 (:class:`~poslsh.partitions.Partitions`) and ALiBi windows (:class:`~poslsh.AlibiWindow`) alike.
 """
