@@ -4,7 +4,7 @@ A tiny Qwen3-style model (the ``cpu`` preset's shape: 4 layers, 8 query / 4 key-
 heads, head_dim 16, hidden 128, vocabulary 4096; float32, batch 1) in three versions:
 
 * ``poslsh-s10``: positional-LSH attention, s = 10, with the bounded
-  :class:`poslsh.integrations.hf_cache.PoslshCache`; the context is a real chunked
+  :class:`poslsh.integrations.hf.cache.PoslshCache`; the context is a real chunked
   prefill (4096 tokens per forward) through that cache;
 * ``alibi``: exact ALiBi with transformers' full ``DynamicCache``;
 * ``original``: the RoPE model with ``sdpa`` and a full ``DynamicCache``.

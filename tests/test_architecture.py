@@ -24,14 +24,21 @@ FLOORS: List[Tuple[str, List[str]]] = [
     ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.window", "poslsh.distributed",
             "poslsh.decoding"]),
     ("modules", ["poslsh.modules", "poslsh"]),  # "poslsh" = the package's public face
-    ("integrations", ["poslsh.integrations"]),
+    ("integrations", ["poslsh.integrations"]),      # the tested transformers range
+    # the Hugging Face integration (poslsh/integrations/hf/): the pieces both families of models share, the
+    # cache they both decode on, the families side by side (each its own sub-package), the public face
+    ("hf shared", ["poslsh.integrations.hf.config", "poslsh.integrations.hf.masks", "poslsh.integrations.hf.rows"]),
+    ("hf cache", ["poslsh.integrations.hf.cache"]),
+    ("hf model families", ["poslsh.integrations.hf.schemes", "poslsh.integrations.hf.alibi",
+                           "poslsh.integrations.hf.encoders"]),
+    ("hf public face", ["poslsh.integrations.hf"]),
     # ---- the paper's app (paper/poslsh_paper)
     ("app base", ["poslsh_paper", "poslsh_paper.io", "poslsh_paper.timing"]),
     ("analysis, data, models", ["poslsh_paper.analysis", "poslsh_paper.data", "poslsh_paper.models"]),
     ("experiments", ["poslsh_paper.experiments"]),
     ("cli", ["poslsh_paper.cli", "poslsh_paper.__main__"]),
 ]
-LIBRARY_FLOORS = 7
+LIBRARY_FLOORS = 11
 MAX_LINES = 420
 
 
@@ -131,6 +138,26 @@ def test_the_checker_sees_violations():
     assert "poslsh.partitions" in GRAPH["poslsh.ops.triton._plan"]   # from ...partitions import ...
     with pytest.raises(AssertionError, match="on no floor"):
         floor_of("poslsh_other")
+
+
+HF_FAMILIES = ("poslsh.integrations.hf.schemes", "poslsh.integrations.hf.alibi", "poslsh.integrations.hf.encoders")
+
+
+def hf_family(module: str):
+    return next((f for f in HF_FAMILIES if module == f or module.startswith(f + ".")), None)
+
+
+def test_the_hf_families_of_models_never_import_each_other():
+    """The families of models share the floors below them (the cache, rows, masks, config) and nothing else:
+    a new family is a sibling package, and no family reaches into another."""
+    crossing = [f"{m} imports {t}" for m, targets in sorted(GRAPH.items()) if hf_family(m)
+                for t in sorted(targets) if hf_family(t) not in (None, hf_family(m))]
+    assert not crossing, "one family of models imports another:\n" + "\n".join(crossing)
+    assert hf_family("poslsh.integrations.hf.alibi.families.bloom") == "poslsh.integrations.hf.alibi"
+    assert hf_family("poslsh.integrations.hf.cache") is None
+    assert (floor_of("poslsh.integrations") < floor_of("poslsh.integrations.hf.rows")
+            < floor_of("poslsh.integrations.hf.cache.heads") < floor_of("poslsh.integrations.hf.alibi.attend")
+            == floor_of("poslsh.integrations.hf.schemes.attention") < floor_of("poslsh.integrations.hf"))
 
 
 def test_modules_stay_small():

@@ -210,6 +210,35 @@ def test_head_buckets_minimise_the_cost():
     assert math.isclose(cost(best), min(every)) and best[0] == (0, 3) and best[-1] == (4, 5)
 
 
+def test_row_groups_are_one_call_per_offset_holding_exactly_each_rows_real_tokens():
+    """poslsh.decoding.rows.row_groups against every (row, query, key) by hand: a row's span holds exactly its
+    queries and keys inside its real run, at positions counted from the run's start; rows share a group iff
+    they share the span; rows with no real query are in none; an unpadded batch is one group."""
+    from poslsh.decoding.rows import row_groups
+    g = torch.Generator().manual_seed(5)
+    for q_first, nq, k_first in [(0, 9, 0), (7, 1, 2), (12, 5, 0), (3, 4, 3)]:
+        total = q_first + nq
+        nk = total - k_first
+        runs = [None, (0, total), (0, 0)]
+        for _ in range(6):
+            s = int(torch.randint(0, total + 1, (1,), generator=g))
+            runs.append((s, int(torch.randint(s, total + 1, (1,), generator=g))))
+        groups = row_groups(runs, q_first, nq, k_first, nk)
+        spans = {b: span for span, rows in groups.items() for b in rows}
+        assert sum(len(rows) for rows in groups.values()) == len(spans)            # each row in one group at most
+        for b, run in enumerate(runs):
+            real = set() if run is None else set(range(*run))
+            queries = [i for i in range(nq) if q_first + i in real]
+            if not queries:
+                assert b not in spans, (b, run)
+                continue
+            s = spans[b]
+            assert list(range(s.i0, s.i1)) == queries
+            assert list(range(s.j0, s.j1)) == [j for j in range(nk) if k_first + j in real]
+            assert (s.q_start, s.k_start) == (q_first + s.i0 - run[0], k_first + s.j0 - run[0])
+        assert list(row_groups([(0, total)] * 3, q_first, nq, k_first, nk).values()) == [[0, 1, 2]]
+
+
 def test_the_one_tensor_of_a_window_kvwindow_is_built_for_one_release():
     """KVWindow(window).k / .v: per-head storage has no one tensor; for one release it is built (the kept keys
     of positions [start, end), zero where a KV head holds fewer), with one deprecation warning."""

@@ -32,7 +32,7 @@ from ..attention import attend
 from ..positional import check_positional
 from ..window.kind import make_window
 from .certificate import Certificate, certify_step
-from .rows import check_row_positions, observe_rows
+from .rows import check_row_positions, observe_rows, row_groups
 from .sinks import sink_attention
 
 __all__ = ["HeadWindows", "head_buckets", "OP_COST"]
@@ -345,21 +345,15 @@ class HeadWindows:
         out = q.new_zeros(B, self.Hq, nq, v.shape[-1])
         lse = torch.full((B, self.Hq, nq), -math.inf, dtype=torch.float64 if q.dtype == torch.float64 else
                          torch.float32, device=self.device)
-        k_first = p0 - L
-        groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-        for b, pad in enumerate(self.pads):
-            if pad is None or pad >= p0 + nq:
-                continue
-            i0, j0 = max(0, pad - p0), max(0, pad - k_first)
-            groups.setdefault((i0, j0, p0 + i0 - pad, k_first + j0 - pad), []).append(b)
-        for (i0, j0, qs, ks), rows in groups.items():
+        runs = [None if pad is None else (pad, p0 + nq) for pad in self.pads]
+        for s, rows in row_groups(runs, p0, nq, p0 - L, keys.shape[2]).items():
             r = slice(None) if len(rows) == B else torch.tensor(rows, device=self.device)
-            o, l = attend(q[r, :, i0:], keys[r, :, j0:], vals[r, :, j0:], window, causal=True, scale=scale,
-                          backend=self.backend, q_start=qs, k_start=ks, return_lse=True)
-            if len(rows) == B and i0 == 0:
+            o, l = attend(q[r, :, s.i0:s.i1], keys[r, :, s.j0:s.j1], vals[r, :, s.j0:s.j1], window, causal=True,
+                          scale=scale, backend=self.backend, q_start=s.q_start, k_start=s.k_start, return_lse=True)
+            if len(rows) == B and s.i0 == 0:
                 out, lse = o, l.to(lse.dtype)
             else:
-                out[r, :, i0:], lse[r, :, i0:] = o, l.to(lse.dtype)
+                out[r, :, s.i0:s.i1], lse[r, :, s.i0:s.i1] = o, l.to(lse.dtype)
         return out, lse
 
     def _complete(self, p0: int) -> bool:

@@ -1,14 +1,16 @@
-"""Batch rows at their own positions in a per-head window store: each row's first real token (left padding)
-and the check that ``position_ids`` continue the cache. Positions are padded (index in the batch's token
-sequence); ``pads[b]`` is row ``b``'s first real one (None: none yet)."""
+"""Batch rows at their own positions: each row's first real token (left padding), the check that
+``position_ids`` continue a cache, and the groups of rows one op call each attends (:func:`row_groups`).
+Positions are padded (index in the batch's token sequence); ``pads[b]`` is row ``b``'s first real one (None:
+none yet). Used by the per-head window store and by every bounded or full cache of the Hugging Face
+integration, so each rule is written once."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["observe_rows", "check_row_positions"]
+__all__ = ["observe_rows", "check_row_positions", "RowSpan", "row_groups"]
 
 
 def observe_rows(pads: List[Optional[int]], total: int, valid: Optional[Tensor], nq: int) -> None:
@@ -52,3 +54,37 @@ def check_row_positions(pads: List[Optional[int]], total: int, position_ids: Opt
         raise ValueError(f"position_ids: row {b} token {i} has position {int(pid[b, i])} but the cache, holding "
                          f"{total} tokens, expects {int(own[b, i])}: feed tokens in order, or start a "
                          "new cache for a new sequence")
+
+
+class RowSpan(NamedTuple):
+    """What one group of batch rows attends in one op call: the queries ``[i0, i1)`` and keys ``[j0, j1)`` of
+    the call's tensors (along their token axis), at the rows' own positions ``q_start`` and ``k_start``."""
+
+    i0: int
+    i1: int
+    j0: int
+    j1: int
+    q_start: int
+    k_start: int
+
+
+def row_groups(runs: Sequence[Optional[Tuple[int, int]]], q_first: int, nq: int, k_first: int,
+               nk: int) -> Dict[RowSpan, List[int]]:
+    """The rows of a batch grouped by what they attend, so that each group is one op call.
+
+    Row ``b``'s real tokens are the padded positions ``runs[b] = (s, e)`` (None, or ``e <= s``: none), its own
+    positions counting from ``s``; the call's queries sit at padded ``[q_first, q_first + nq)``, its keys at
+    ``[k_first, k_first + nk)``. A row attends its queries inside ``[s, e)`` to its keys inside ``[s, e)``
+    (causality and the positional object decide the rest); rows with no such query are left out (their output
+    is the caller's). Groups in the order of their first row; an unpadded batch is one group of every row."""
+    groups: Dict[RowSpan, List[int]] = {}
+    for b, run in enumerate(runs):
+        if run is None:
+            continue
+        s, e = run
+        i0, i1 = max(s - q_first, 0), min(e - q_first, nq)
+        if i1 <= i0:
+            continue
+        j0, j1 = max(s - k_first, 0), min(e - k_first, nk)
+        groups.setdefault(RowSpan(i0, i1, j0, j1, q_first + i0 - s, k_first + j0 - s), []).append(b)
+    return groups

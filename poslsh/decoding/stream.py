@@ -27,7 +27,7 @@ and an ALiBi window is stored that way (:mod:`.heads`: each KV head keeps ``w_j 
 
 :class:`KVWindow` is the cache of one attention layer for one stream (all batch rows at the
 same positions); :func:`packed_windows` continues every document of a packed prefill as its
-own stream. The transformers cache (:mod:`poslsh.integrations.hf_cache`) applies the same rule
+own stream. The transformers cache (:mod:`poslsh.integrations.hf.cache`) applies the same rule
 per layer, with left padding. :mod:`poslsh.distributed` uses :func:`reach` for its halos.
 """
 from __future__ import annotations

@@ -65,6 +65,22 @@ def independent_partitions(model, layer, num_heads, step=None):
     return poslsh.sample_partitions(poslsh.alibi_sigmas(num_heads), pc.num_samples, seed=seed)
 
 
+def test_each_scheme_attends_with_the_kind_its_rules_name():
+    """One table says what a scheme is (hf.SCHEME_RULES): every registered implementation has an entry, its layers
+    attend with an object of the entry's kind, exact ALiBi keeps every key (no window) and the others drop some;
+    the cache serves the schemes that drop keys and keeps per-head stores for the window's kind."""
+    from poslsh.integrations.hf.cache import CACHE_SCHEMES, WINDOW_SCHEMES
+
+    assert set(hf.SCHEME_RULES) == set(hf.IMPLEMENTATIONS) and hf.SCHEMES == ("original", *hf.IMPLEMENTATIONS)
+    for scheme, rules in hf.SCHEME_RULES.items():
+        model = tiny_model(scheme, **({"window_sigmas": 2.0} if scheme == "alibi-window" else {}))
+        positional = hf.layer_positional(model.model.layers[0].self_attn, scheme, H)
+        assert isinstance(positional, rules.kind) and positional.op == rules.kind.op, scheme
+        every_key = all(b >= poslsh.window.kind.NO_WINDOW for b in positional.cache_bound(per_head=True))
+        assert every_key == (not rules.near_linear) == (scheme not in CACHE_SCHEMES), scheme
+    assert CACHE_SCHEMES == ("poslsh", "fixed_blocks", "alibi-window") and WINDOW_SCHEMES == ("alibi-window",)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
 def test_poslsh_matches_poslsh_attention_inside_model(family):
     model = tiny_model("poslsh", family, num_samples=4, seed=3)

@@ -1,5 +1,5 @@
 """Decoding patched BLOOM / MPT / Falcon models with fixed windows on the per-head window cache
-(poslsh.integrations.hf_alibi_cache): the same tokens and float64 logits as without a cache, each KV
+(poslsh.integrations.hf.alibi.cache): the same tokens and float64 logits as without a cache, each KV
 head holding its own window (w_h + 1 rows), beams and left padding, the certificate, refusals."""
 import pytest
 import torch

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.integrations.hf import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
-from poslsh.integrations.hf_alibi_layer import certified_logit_range  # noqa: E402
+from poslsh.integrations.hf.alibi.layer import certified_logit_range  # noqa: E402
 from poslsh.window import logit_range, make_window, smallest_window  # noqa: E402
 
 from alibi_reference import left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402
@@ -244,3 +244,22 @@ def test_whole_float_and_infinite_windows_are_windows(window):
         want = patch_alibi(tiny_model("bloom4"), window=None if window == float("inf") else int(window))(
             x, attention_mask=mask).logits
     assert torch.equal(got, want)
+
+
+def test_the_reported_mode_is_asked_of_the_layers_positional_object():
+    """alibi_stats()'s "mode" is derived from each layer's object: windows that cut no key are exact ALiBi
+    (window=None and window=inf alike), windows that cut one head's keys are windows, partitions positional LSH,
+    no fixed object (chosen per call) certified; only fixed windows that cut keys decode on the per-head cache."""
+    inf = float("inf")
+    for kw, mode in [(dict(), "exact"), (dict(window=inf), "exact"), (dict(window=[inf, inf, 3, inf]), "window"),
+                     (dict(num_samples=2), "positional_lsh"), (dict(window="certified", tol=1e-3), "certified")]:
+        model = patch_alibi(tiny_model("bloom4"), **kw)
+        layers = [m._poslsh_alibi for m in model.modules() if hasattr(m, "_poslsh_alibi")]
+        assert [s["mode"] for s in alibi_stats(model)] == [mode] * len(layers), kw
+        assert all(st.fixed_windows == (mode == "window") for st in layers), kw
+        assert (alibi_stats(model)[0].get("window") is None) == (mode != "window"), kw    # certified: after a call
+        if mode == "window":
+            alibi_cache(model)
+        else:
+            with pytest.raises(ValueError, match=f"attends with {mode}"):
+                alibi_cache(model)

@@ -11,8 +11,10 @@ from poslsh import partitions as partitions_mod  # noqa: E402
 from poslsh import reference  # noqa: E402
 from poslsh.window import make_window  # noqa: E402
 from poslsh.decoding import attend  # noqa: E402
-from poslsh.integrations import hf, hf_cache, hf_masks  # noqa: E402
-from poslsh.integrations.hf_convert import attention_modules  # noqa: E402
+from poslsh.integrations import hf  # noqa: E402
+from poslsh.integrations.hf import cache as hf_cache, masks as hf_masks  # noqa: E402
+from poslsh.integrations.hf.schemes import attention as hf_attention  # noqa: E402
+from poslsh.integrations.hf.schemes.convert import attention_modules  # noqa: E402
 
 SCHEMES = ["poslsh", "fixed_blocks"]
 WINDOW_AND_DOCUMENTS_BACKEND = "torch"
@@ -91,7 +93,7 @@ def test_full_cache_decoding_has_no_dense_path(monkeypatch):
     def banned(*a, **k):
         raise AssertionError("dense O(nq * nk) path used while decoding")
     monkeypatch.setattr(partitions_mod.Partitions, "dense_count", banned)
-    monkeypatch.setattr(hf, "dense_attention", banned)
+    monkeypatch.setattr(hf_attention, "dense_attention", banned)
     monkeypatch.setattr(reference, "dense_attention", banned)
     got, lg = greedy(model, x, mask, cache=transformers.DynamicCache(config=model.config))
     assert torch.equal(got.sequences, want.sequences) and float((lg - lw).abs().max()) < 1e-5

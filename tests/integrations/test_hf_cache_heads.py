@@ -11,9 +11,11 @@ transformers = pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.decoding import Certificate, CertificateWarning, HeadWindows, certified_window  # noqa: E402
-from poslsh.integrations import hf, hf_cache  # noqa: E402
-from poslsh.integrations.hf_convert import attention_modules, positional_config  # noqa: E402
-from poslsh.integrations.hf_state import layer_state  # noqa: E402
+from poslsh.integrations import hf  # noqa: E402
+from poslsh.integrations.hf import cache as hf_cache  # noqa: E402
+from poslsh.integrations.hf.config import positional_config  # noqa: E402
+from poslsh.integrations.hf.schemes.convert import attention_modules  # noqa: E402
+from poslsh.integrations.hf.schemes.state import layer_state  # noqa: E402
 from poslsh.window import make_window  # noqa: E402
 
 WINDOWS = [4, 9, 17, 40]

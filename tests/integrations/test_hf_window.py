@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 import poslsh  # noqa: E402
 from poslsh.window import cost_matched_window  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
+from poslsh.integrations.hf.schemes import attention as hf_attention  # noqa: E402
 
 BACKEND = "auto"        # the window op on the fastest backend that serves it (torch on CPU)
 H, KV, D, VOCAB = 4, 2, 8, 61
@@ -78,7 +79,7 @@ def test_logits_and_gradients_equal_the_dense_windowed_alibi_model(rule, monkeyp
     want, g_want = with_dense_oracle(model, lambda: run(attention_mask=window_mask(window, 61, 61)))
     with torch.no_grad():
         full = with_dense_oracle(model, lambda: model(x).logits)    # exact ALiBi, no window
-    monkeypatch.setattr(hf, "dense_attention", banned)        # the window op, near-linear: no dense path
+    monkeypatch.setattr(hf_attention, "dense_attention", banned)        # the window op, near-linear: no dense path
     got, g_got = run()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     for name in g_want:
@@ -97,7 +98,7 @@ def test_padding_behaves_like_stock_model(side, monkeypatch):
             mask[b, n:] = 0
         else:
             mask[b, : 30 - n] = 0
-    monkeypatch.setattr(hf, "dense_attention", banned)
+    monkeypatch.setattr(hf_attention, "dense_attention", banned)
     with torch.no_grad():
         padded = model(x, attention_mask=mask).logits
         for b, n in enumerate(lengths):
@@ -113,7 +114,7 @@ def test_decoding_against_a_dynamic_cache_with_left_padding(monkeypatch):
     mask[1, :9] = 0
     with torch.no_grad():
         full = model(x, attention_mask=mask).logits
-        monkeypatch.setattr(hf, "dense_attention", banned)    # spans per group of rows, no dense path
+        monkeypatch.setattr(hf_attention, "dense_attention", banned)    # spans per group of rows, no dense path
         out = model(x[:, :30], attention_mask=mask[:, :30], use_cache=True)
         cache, steps, pos = out.past_key_values, [out.logits], 30
         assert isinstance(cache, transformers.DynamicCache)

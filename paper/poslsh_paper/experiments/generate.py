@@ -8,7 +8,7 @@ directory). Tokens stream to stdout (transformers' ``TextStreamer``); greedy by 
 ``--sample`` with ``--temperature`` / ``--top-k`` / ``--top-p`` through transformers'
 ``GenerationConfig``. At the end a summary goes to stderr: prefill and decoding speed,
 and the cache: for poslsh / fixed_blocks models the keys each layer kept against its
-bound (:mod:`poslsh.integrations.hf_cache`), for alibi-window models the rows each KV head
+bound (:mod:`poslsh.integrations.hf.cache`), for alibi-window models the rows each KV head
 keeps (its own window) and, with ``--tol``, the certificate's worst bound on the dropped mass
 (``--policy``: widen | warn | raise; ``--sinks``: first positions kept exactly), for the others
 the full cache.
@@ -171,7 +171,7 @@ class _TimedStreamer:
 
 def cache_summary(cache) -> str:
     """One line about a cache after generation."""
-    from poslsh.integrations.hf_cache import PoslshCache
+    from poslsh.integrations.hf.cache import PoslshCache
 
     if isinstance(cache, PoslshCache) and cache.stats()[0].get("kept_per_head") is not None:
         st = cache.stats()
@@ -214,7 +214,7 @@ def generate(cfg: GenerateConfig, model, tok) -> dict:
     extra = {"cache": DynamicCache(config=model.config)} if cfg.cache == "full" else {}
     if cfg.tol or cfg.sinks:
         from poslsh.decoding import Certificate
-        from poslsh.integrations.hf_cache import WINDOW_SCHEMES, PoslshCache
+        from poslsh.integrations.hf.cache import WINDOW_SCHEMES, PoslshCache
 
         if model.config._attn_implementation not in WINDOW_SCHEMES:
             raise ConfigError(f"--tol / --sinks: only alibi-window models keep per-head windows, this model runs "

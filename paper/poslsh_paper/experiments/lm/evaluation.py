@@ -15,7 +15,7 @@ separator, no attention across documents).
 Streaming (:func:`evaluate_streaming`, ``poslsh eval --streaming``, poslsh and
 fixed_blocks): the first ``eval_tokens + 1`` tokens of the split are read as one long
 document, ``eval_batch_tokens`` per forward pass, through the bounded KV cache
-(:mod:`poslsh.integrations.hf_cache`): every target sees its whole past, exactly as
+(:mod:`poslsh.integrations.hf.cache`): every target sees its whole past, exactly as
 one full-context forward would, in memory that does not grow with the length.
 """
 from __future__ import annotations

@@ -21,12 +21,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..alibi import alibi_bias, alibi_sigmas, alibi_slopes
-from ..modules import PartitionSchedule
-from ..partitions import Partitions
-from ..positional import Positional
-from ..window.kind import NO_WINDOW, AlibiWindow, make_window
-from .hf_convert import positional_config
+from ....alibi import alibi_bias, alibi_sigmas, alibi_slopes
+from ....modules import PartitionSchedule
+from ....partitions import Partitions
+from ....positional import Positional
+from ....window.kind import NO_WINDOW, AlibiWindow, make_window
+from ..config import positional_config
 
 __all__ = ["LayerState", "layer_state", "layer_positional", "layer_partitions", "layer_window", "layer_alibi_bias",
            "training_step"]
@@ -103,12 +103,20 @@ def layer_window(module: nn.Module, num_heads: int, device=None, *, exact: bool 
     return state.window[1]
 
 
+# What a layer of each scheme attends with (one entry per scheme of SCHEME_RULES; the key is the scheme's
+# attn_implementation name, the one word a user gives): partitions, fixed blocks, or the ALiBi window.
+_POSITIONAL_OF = {
+    "alibi": lambda module, H, step, device: layer_window(module, H, device, exact=True),
+    "poslsh": lambda module, H, step, device: layer_partitions(module, H, "poslsh", step=step, device=device),
+    "fixed_blocks": lambda module, H, step, device: layer_partitions(module, H, "fixed_blocks", device=device),
+    "alibi-window": lambda module, H, step, device: layer_window(module, H, device),
+}
+
+
 def layer_positional(module: nn.Module, scheme: str, num_heads: int, *, step=None, device=None) -> Positional:
     """The positional object a layer of ``scheme`` attends with now: its partitions (``"poslsh"``,
     ``"fixed_blocks"``) or its window (``"alibi-window"``; ``"alibi"``: exact, no window)."""
-    if scheme in ("alibi", "alibi-window"):
-        return layer_window(module, num_heads, device, exact=scheme == "alibi")
-    return layer_partitions(module, num_heads, scheme, step=step, device=device)
+    return _POSITIONAL_OF[scheme](module, num_heads, step, device)
 
 
 def layer_alibi_bias(module: nn.Module, num_heads: int, nq: int, nk: int, device,

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .hf_masks import documents_from_positions
+from ..masks import documents_from_positions
 
 __all__ = ["AlibiCall", "CALLS", "call_of", "placeholder_mask", "push_call", "pop_call", "row_runs"]
 

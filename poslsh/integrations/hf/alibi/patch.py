@@ -4,8 +4,8 @@ the library's ops, exact or windowed, at any length, without an ``n x n`` tensor
 What patching does (in place, on the given model and its modules):
 
 * every attention module (``BloomAttention``, ``MptAttention``, ``FalconAttention``) gets a forward that
-  runs the module's own projections and output (:mod:`.hf_alibi_models`), and attends through
-  :func:`poslsh.attend` with the layer's positional object (:mod:`.hf_alibi_layer`): exact ALiBi
+  runs the module's own projections and output (:mod:`.families`), and attends through
+  :func:`poslsh.attend` with the layer's positional object (:mod:`.layer`): exact ALiBi
   (:class:`~poslsh.AlibiWindow` with :data:`~poslsh.window.kind.NO_WINDOW`), fixed or certified windows,
   or positional LSH (:class:`~poslsh.Partitions`);
 * ``config._attn_implementation`` becomes ``"poslsh_alibi"``, whose registered mask builder hands the
@@ -13,7 +13,7 @@ What patching does (in place, on the given model and its modules):
   implementation name is not saved by ``save_pretrained``);
 * forward hooks on the model and its base model refuse ``output_attentions`` / ``head_mask`` and push
   the call's padding mask and packed documents (``position_ids`` that restart, transformers' rule: no
-  mask, no cache) where the layers read them (:mod:`.hf_alibi_call`): what the model does with its mask
+  mask, no cache) where the layers read them (:mod:`.call`): what the model does with its mask
   before the layers run does not matter.
 """
 from __future__ import annotations
@@ -26,14 +26,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import require_transformers, warn_if_untested
-
-require_transformers()
-
-from .hf_alibi_call import placeholder_mask, pop_call, push_call  # noqa: E402
-from .hf_alibi_cache import enable_alibi_generation_cache  # noqa: E402
-from .hf_alibi_layer import LayerAlibi  # noqa: E402
-from .hf_alibi_models import family_of, layer_slopes  # noqa: E402
+from ... import warn_if_untested
+from .cache import enable_alibi_generation_cache
+from .call import placeholder_mask, pop_call, push_call
+from .families import Family, family_of, layer_slopes
+from .layer import LayerAlibi
 
 __all__ = ["patch_alibi", "alibi_stats", "IMPLEMENTATION", "register_alibi"]
 
@@ -55,7 +52,7 @@ def register_alibi() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, placeholder_mask)
 
 
-def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend) -> None:
+def _check_arguments(window, tol, num_samples, falcon_bias, family: Family, backend) -> None:
     if num_samples is not None:
         if window is not None or tol is not None:
             raise ValueError("num_samples: positional LSH replaces the window; pass num_samples or window/tol, "
@@ -74,14 +71,14 @@ def _check_arguments(window, tol, num_samples, falcon_bias, family: str, backend
         raise ValueError("tol: a tolerance chooses certified windows; pass window='certified' with it")
     if falcon_bias not in FALCON_BIASES:
         raise ValueError(f"falcon_bias must be one of {FALCON_BIASES}, got {falcon_bias!r}")
-    if falcon_bias != "exact" and family != "falcon":
-        raise ValueError(f"falcon_bias={falcon_bias!r}: only Falcon rounds its bias; this is a {family} model")
+    if falcon_bias != "exact" and family.rounded_bias is None:
+        raise ValueError(f"falcon_bias={falcon_bias!r}: only Falcon rounds its bias; this is a {family.name} model")
     if falcon_bias == "bfloat16" and window == "certified":
         raise ValueError("falcon_bias='bfloat16' with window='certified': the rounded bias is not ALiBi, which "
                          "the certified bound assumes; use falcon_bias='exact' or a fixed window")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ('auto', 'torch', ...), got {type(backend).__name__}")
-    from ..ops import load_backends, registry
+    from ....ops import load_backends, registry
 
     load_backends()
     known = {b.name for b in registry.registered("window")} | set(getattr(registry, "_MISSING", {}))
@@ -159,10 +156,10 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
 
     Args:
         model: the model (not a copy; returned).
-        window: ``None``: exact ALiBi over every key; a number (whole, or inf) or ``[H]`` (sequence or tensor): exact ALiBi cut
-            at those windows, keys with ``|i - j| <= window_h``; ``"certified"`` with ``tol``: per call and
-            head the smallest window whose bound on the dropped softmax mass is ``<= tol``
-            (:mod:`.hf_alibi_layer` says how the logit range is bounded).
+        window: ``None``: exact ALiBi over every key; a number (whole, or inf) or ``[H]`` (sequence or tensor):
+            exact ALiBi cut at those windows, keys with ``|i - j| <= window_h`` (windows that cut no key are exact
+            ALiBi, as ``None``); ``"certified"`` with ``tol``: per call and head the smallest window whose bound
+            on the dropped softmax mass is ``<= tol`` (:mod:`.layer` says how the logit range is bounded).
         tol: the tolerance of ``window="certified"``.
         num_samples: positional LSH with the model's own bandwidths ``sigma_h = 1 / m_h``: ``num_samples``
             partitions per head, fixed per layer (seeded by ``seed`` and the layer), one softmax with the
@@ -180,7 +177,7 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
     """
     warn_if_untested("patch_alibi")
     fam, attns, bases = family_of(model)
-    _check_arguments(window, tol, num_samples, falcon_bias, fam.name, backend)
+    _check_arguments(window, tol, num_samples, falcon_bias, fam, backend)
     _config_refusals(model.config)
     register_alibi()
     H = fam.heads(attns[0])[0]
@@ -193,7 +190,8 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
         layer = module.layer_idx if module.layer_idx is not None else i
         module._poslsh_alibi = LayerAlibi.build(fam.name, layer, slopes, scale, window=window, tol=tol,
                                                 num_samples=num_samples, seed=seed, backend=backend,
-                                                key_bias=key_bias, kv_heads=fam.kv_heads(module))
+                                                key_bias=key_bias, kv_heads=fam.kv_heads(module),
+                                                positions=fam.positions)
         module._poslsh_alibi.owner = weakref.ref(model.config)
         module.forward = MethodType(fam.forward, module)
     for m in {id(x): x for x in [model, *bases]}.values():

@@ -1,11 +1,10 @@
 """Turning a transformers model (or config) into a positional-LSH / ALiBi one.
 
-:class:`PositionalConfig` is the scheme of a model, saved with its config as
-``config.poslsh``; :func:`convert` writes it, removes RoPE from a model (the rotary
-embedding is replaced by :class:`NoRotaryEmbedding`, ``cos = 1, sin = 0``, so
-``apply_rotary_pos_emb`` is the identity) and selects the attention
-implementation by name. The implementations themselves live in
-:mod:`poslsh.integrations.hf`, which registers them.
+:func:`convert` writes the model's :class:`~poslsh.integrations.hf.config.PositionalConfig` (saved with its
+config as ``config.poslsh``), removes RoPE from a model (the rotary embedding is replaced by
+:class:`NoRotaryEmbedding`, ``cos = 1, sin = 0``, so ``apply_rotary_pos_emb`` is the identity) and selects
+the attention implementation by name. The implementations themselves live in :mod:`.attention`, which
+registers them.
 
 The saved config carries the scheme for plain ``AutoModelForCausalLM.from_pretrained``:
 
@@ -24,96 +23,17 @@ without its positional signal).
 from __future__ import annotations
 
 import copy
-import math
-import numbers
-from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from dataclasses import asdict
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..alibi import alibi_sigmas, alibi_slopes
-from ..window.kind import AlibiWindow, make_window, windows_in_sigmas
-from ..window.cost import cost_matched_window
-from ..partitions import check_sampler
+from ..config import CONFIG_KEY, WINDOW_FIELDS, PositionalConfig, positional_config
 
-__all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "NO_ROTATION", "PositionalConfig", "positional_config",
-           "attention_modules", "NoRotaryEmbedding", "register_rope_type", "convert"]
+__all__ = ["NO_ROTATION", "attention_modules", "NoRotaryEmbedding", "register_rope_type", "convert"]
 
-SCHEMES = ("original", "alibi", "poslsh", "fixed_blocks", "alibi-window")
-IMPLEMENTATIONS = ("alibi", "poslsh", "fixed_blocks", "alibi-window")
-CONFIG_KEY = "poslsh"
 NO_ROTATION = "poslsh_no_rotation"      # the rope type of a model whose RoPE was removed
-WINDOW_FIELDS = ("window_sigmas", "window_cost_samples")
-
-
-@dataclass(frozen=True)
-class PositionalConfig:
-    """Positional scheme of a model, stored as ``config.poslsh``."""
-
-    scheme: str = "poslsh"       # one of SCHEMES
-    num_samples: int = 10        # s, partitions per head (poslsh)
-    sampler: str = "iid"         # how the s partitions are drawn: iid | stratified | grouped (poslsh.sampling)
-    group_size: Union[int, str, None] = None  # grouped: largest group size k (None: 4; "sqrt": G ~ sqrt(s))
-    block_size: int = 512        # fixed_blocks block size
-    seed: int = 0                # training partitions: seeded by (seed, step, layer)
-    eval_seed: int = 0           # eval partitions: seeded by (eval_seed, layer)
-    backend: str = "auto"        # backend of poslsh_attention / windowed_alibi_attention
-    rope_removed: bool = False   # set by apply_positional_scheme on a model
-    # alibi-window, exactly one of: w_h = ceil(window_sigmas * sigma_h), or the window whose keys per
-    # query equal positional LSH's at window_cost_samples i.i.d. samples (poslsh.window.cost_matched_window)
-    window_sigmas: Optional[float] = None
-    window_cost_samples: Optional[int] = None
-
-    def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"unknown positional scheme {self.scheme!r}; choose from {SCHEMES}")
-        for name in ("num_samples", "block_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_sampler(self.sampler, self.group_size, name="sampler")
-        c, s = self.window_sigmas, self.window_cost_samples
-        if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0):
-            raise ValueError(f"window_sigmas must be a finite number > 0 (the window in units of sigma_h), got {c!r}")
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-            raise ValueError(f"window_cost_samples must be an int >= 1 (the s to match), got {s!r}")
-        if self.scheme == "alibi-window" and (c is None) == (s is None):
-            raise ValueError("alibi-window needs exactly one of window_sigmas (w_h = window_sigmas * sigma_h) or "
-                             f"window_cost_samples (positional LSH's keys per query at s samples), got {c!r} and {s!r}")
-        if self.scheme != "alibi-window" and (c is not None or s is not None):
-            raise ValueError(f"window_sigmas / window_cost_samples are for the alibi-window scheme, not {self.scheme!r}")
-
-    @property
-    def implementation(self) -> str:
-        """The ``attn_implementation`` name of this scheme (``sdpa`` for the original)."""
-        return "sdpa" if self.scheme == "original" else self.scheme
-
-    def alibi_window(self, num_heads: int) -> AlibiWindow:
-        """The per-head window of the alibi-window scheme for ``num_heads`` query heads."""
-        if self.scheme != "alibi-window":
-            raise ValueError(f"scheme {self.scheme!r} has no ALiBi window")
-        sigma = alibi_sigmas(num_heads)
-        if self.window_sigmas is not None:
-            window = windows_in_sigmas(self.window_sigmas, sigma)
-        else:
-            window = cost_matched_window(sigma, self.window_cost_samples)
-        return make_window(alibi_slopes(num_heads), window)
-
-
-def positional_config(config) -> PositionalConfig:
-    """The :class:`PositionalConfig` of a transformers config (defaults if unset)."""
-    raw = getattr(config, CONFIG_KEY, None)
-    if isinstance(raw, PositionalConfig):
-        return raw
-    if raw:
-        return PositionalConfig(**raw)
-    impl = getattr(config, "_attn_implementation", None)
-    if impl == "alibi-window":
-        raise ValueError("attn_implementation='alibi-window' needs its window: convert the model or config with "
-                         "poslsh.integrations.hf.apply_positional_scheme(..., 'alibi-window', window_sigmas=...) "
-                         "or window_cost_samples=...")
-    return PositionalConfig(scheme=impl if impl in IMPLEMENTATIONS else "original")
 
 
 def attention_modules(model: nn.Module):

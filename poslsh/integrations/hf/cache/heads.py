@@ -1,11 +1,11 @@
-"""The per-head window layer of a :class:`~poslsh.integrations.hf_cache.PoslshCache`: each KV head of a
+"""The per-head window layer of a :class:`~poslsh.integrations.hf.cache.PoslshCache`: each KV head of a
 decoder layer keeps its own ALiBi window (:class:`poslsh.decoding.HeadWindows`), ``sum_j (w_j + 1)`` rows.
 
 Two ways in, one store:
 
 * **Llama-family models of the ``"alibi-window"`` scheme** call ``cache.update(k, v, layer_idx,
   kwargs=kwargs)``; the layer keeps the step's keys pending, returns them, and adds itself to the
-  attention's keywords, so :func:`poslsh.integrations.hf_cache.attend` finds it and calls
+  attention's keywords, so :func:`poslsh.integrations.hf.cache.attend` finds it and calls
   :meth:`HeadWindowLayer.attend_scheme` (the model's checks, then the store).
 * **Any attention with per-head windows** (e.g. a patched BLOOM / MPT / Falcon layer) skips ``update``
   and calls :meth:`HeadWindowLayer.attend_window` (or ``cache.attend_window(layer_idx, ...)``) with the
@@ -19,18 +19,17 @@ their diagonal.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from ..decoding import Certificate, HeadWindows, span_backend
-from ..positional import check_positional
+from ....decoding import Certificate, HeadWindows, span_backend
+from ....positional import check_positional
+from .spec import NEW_CACHE, WINDOW_SCHEMES
 
 __all__ = ["HeadWindowLayer"]
-
-NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
 
 
 class HeadWindowLayer(CacheLayerMixin):
@@ -62,8 +61,9 @@ class HeadWindowLayer(CacheLayerMixin):
                              "Llama / Qwen3 / Mistral do); an attention with per-head windows calls "
                              "cache.attend_window(layer_idx, query, key, value, window) instead")
         if self.pending is not None:
-            raise ValueError(f"cache: layer {self.index}'s last update was never attended by an alibi-window "
-                             f"attention (another attn_implementation, or an error interrupted the step): {NEW_CACHE}")
+            raise ValueError(f"cache: layer {self.index}'s last update was never attended by an "
+                             f"{'/'.join(WINDOW_SCHEMES)} attention (another attn_implementation, or an error "
+                             f"interrupted the step): {NEW_CACHE}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
@@ -123,6 +123,12 @@ class HeadWindowLayer(CacheLayerMixin):
             self.store.scale = scale
         return self.store
 
+    def fill(self, window, keys: Tensor, values: Tensor, *, start: int, pads: List[Optional[int]]) -> None:
+        """Hold a prefill computed elsewhere (:func:`~.poslsh_cache.packed_prefill_cache`): ``keys / values
+        [B, Hkv, L, d]`` at padded positions ``[start, start + L)``, row ``b``'s first real token ``pads[b]``."""
+        self.lazy_initialization(keys, values)
+        self._store_for(window, None).fill(keys, values, start=start, pads=pads)
+
     def attend_window(self, query: Tensor, key: Tensor, value: Tensor, window, *, scale: Optional[float] = None,
                       valid: Optional[Tensor] = None, backend: str = "auto",
                       position_ids: Optional[Tensor] = None) -> Tensor:
@@ -141,7 +147,7 @@ class HeadWindowLayer(CacheLayerMixin):
         """
         if self.pending is not None:
             raise ValueError(f"cache: layer {self.index} was updated through cache.update and not attended: call "
-                             "attend_window without update, or let the alibi-window attention attend")
+                             f"attend_window without update, or let the {'/'.join(WINDOW_SCHEMES)} attention attend")
         if self.store is not None and self.store.K is not None and query.device != self.store.device:
             raise ValueError(f"cache: layer {self.index} holds its keys on {self.store.device} but the model runs on "
                              f"{query.device}: build the cache after moving the model, or move the model back")

@@ -2,9 +2,9 @@
 
 A model patched with fixed windows (``patch_alibi(model, window=...)``) needs, at every step, only
 the last ``w_h`` keys of each head: ``generate()`` then runs on a
-:class:`~poslsh.integrations.hf_cache.PoslshCache` of per-head windows (:func:`alibi_cache`), whose
+:class:`~poslsh.integrations.hf.cache.PoslshCache` of per-head windows (:func:`alibi_cache`), whose
 layers hold ``sum_j (w_j + 1)`` rows each and return the step's attention themselves
-(:meth:`~poslsh.integrations.hf_cache.PoslshCache.attend_window`). The result is the model's own:
+(:meth:`~poslsh.integrations.hf.cache.PoslshCache.attend_window`). The result is the model's own:
 the same tokens and logits as without a cache. Exact ALiBi, certified windows (chosen again at every
 call from that call's logit range) and positional LSH keep transformers' ``DynamicCache``, which holds
 every key; so does Falcon's ``falcon_bias="bfloat16"``, whose per-key rounding a window store does not
@@ -18,8 +18,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..decoding import Certificate
-from .hf_cache import PoslshCache
+from ....decoding import Certificate
+from ..cache import HeadWindowLayer, PoslshCache
 
 __all__ = ["alibi_cache", "windowed_cache_of", "attend_cached", "enable_alibi_generation_cache"]
 
@@ -41,8 +41,8 @@ def _kv_heads(module) -> int:
 def _why_not(layers) -> Optional[str]:
     if not layers:
         return "the model is not patched; call patch_alibi(model, window=...) first"
-    modes = {st.mode for st in layers}
-    if modes != {"window"}:
+    if not all(st.fixed_windows for st in layers):
+        modes = {st.mode for st in layers}
         return (f"the model attends with {'/'.join(sorted(modes))} (fixed windows only: exact ALiBi, certified "
                 "windows and positional LSH need every past key; use transformers' DynamicCache)")
     if any(st.key_bias is not None for st in layers):
@@ -68,8 +68,6 @@ def alibi_cache(model, *, certificate: Optional[Certificate] = None, sinks: int 
 
 def windowed_cache_of(cache) -> Optional[PoslshCache]:
     """``cache`` when it is a per-head window cache (the layer attends through it), else None."""
-    from .hf_cache_heads import HeadWindowLayer
-
     if isinstance(cache, PoslshCache) and all(isinstance(layer, HeadWindowLayer) for layer in cache.layers):
         return cache
     return None
@@ -78,7 +76,7 @@ def windowed_cache_of(cache) -> Optional[PoslshCache]:
 def attend_cached(cache: PoslshCache, st, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, call) -> Tensor:
     """One patched layer's step on a per-head window cache: ``[B, Hq, nq, dv]``; a left pad's row is the
     model's (every key of the row weighed equally)."""
-    if st.mode != "window" or st.key_bias is not None:
+    if not st.fixed_windows or st.key_bias is not None:
         raise ValueError(f"cache: a per-head window cache serves layers with fixed windows; layer {layer_idx} "
                          f"attends with {st.mode if st.key_bias is None else 'the bfloat16 Falcon bias'}; "
                          "use transformers' DynamicCache")

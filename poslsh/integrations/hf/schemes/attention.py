@@ -1,31 +1,18 @@
-"""Hugging Face ``transformers`` integration, without forking transformers.
+"""The one attention function of the schemes, registered with transformers under each scheme's name.
 
-Importing this module registers four attention implementations with
-``transformers.AttentionInterface`` (and a matching mask builder with
-``AttentionMaskInterface``, so padding masks reach them), plus the rope type
-``"poslsh_no_rotation"`` (``ROPE_INIT_FUNCTIONS``):
+:func:`attention_forward` (``fn(scheme, module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d],
+attention_mask, scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``) attends with the layer's
+positional object (:func:`~.state.layer_positional`) through :func:`poslsh.attend`; the schemes differ only
+in that object and their rules (:data:`poslsh.integrations.hf.config.SCHEME_RULES`):
 
-* ``"poslsh"``: positional-LSH attention (:func:`poslsh.poslsh_attention`);
+* ``"poslsh"``: positional LSH (:class:`poslsh.Partitions`, drawn per layer);
 * ``"fixed_blocks"``: the paper's fixed-blocks baseline (one deterministic partition);
-* ``"alibi"``: exact ALiBi attention (dense, the baseline PosLSH approximates);
-* ``"alibi-window"``: exact ALiBi cut at a per-head window (:func:`poslsh.windowed_alibi_attention`),
+* ``"alibi"``: exact ALiBi (dense like stock ``sdpa``, the baseline positional LSH approximates);
+* ``"alibi-window"``: exact ALiBi cut at a per-head window (:class:`poslsh.AlibiWindow`),
   ``w_h = window_sigmas * sigma_h`` or the window of positional LSH's cost at ``s`` samples.
 
-Any Llama / Qwen3 / Mistral-family model then runs with
-``attn_implementation="poslsh"``. :func:`apply_positional_scheme` goes further
-and turns a model (or config) into one whose *only* positional signal is the scheme
-(RoPE removed; see :mod:`poslsh.integrations.hf_convert`). A model saved after that
-reloads as itself with plain ``AutoModelForCausalLM.from_pretrained`` once poslsh is
-imported, and fails loudly without it.
-
-Where the pieces live: :mod:`.hf_convert` (``PositionalConfig``, RoPE removal, the saved
-scheme), :mod:`.hf_state` (each layer's positional object: its partition schedule, window and bias),
-:mod:`.hf_masks` (padding, packed documents, the mask builder), :mod:`.hf_cache` (the bounded
-KV cache for ``generate()``), :mod:`.hf_alibi` (:func:`patch_alibi`: unmodified BLOOM, MPT and Falcon
-on the library's ops); here the one attention function of every scheme,
-:func:`attention_forward` (``fn(module, query [B, Hq, nq, d], key/value [B, Hkv, nk, d], attention_mask,
-scaling, dropout, **kwargs) -> ([B, nq, Hq, dv], None)``; the schemes differ only in their positional
-object and :data:`SCHEME_RULES`), and the public API.
+:func:`register` registers them with ``transformers.AttentionInterface`` (and a mask builder with
+``AttentionMaskInterface``, so padding masks reach them) and the rope type ``"poslsh_no_rotation"``.
 
 Partitions follow :class:`poslsh.PartitionSchedule`: in training mode every forward pass
 draws fresh partitions seeded by ``(seed, step, layer)``, where ``step`` is passed along with
@@ -44,7 +31,7 @@ Exact ALiBi (``"alibi"``) is dense like stock ``sdpa``, packed documents include
 softcapping raise.
 
 Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks / alibi-window model built,
-converted or loaded here uses a bounded :class:`~poslsh.integrations.hf_cache.PoslshCache`
+converted or loaded here uses a bounded :class:`~poslsh.integrations.hf.cache.PoslshCache`
 (:func:`generation_cache`, :func:`enable_generation_cache`), which drops the keys no later
 query can see. Decoding against a full cache (``DynamicCache``, left padding) runs the op at the
 queries' and keys' positions (``q_start``, ``k_start``), one call per group of rows with equal offsets.
@@ -54,34 +41,25 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import asdict
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import require_transformers
+from ....attention import attend
+from ....reference import dense_attention
+from .. import cache
+from ..cache import CACHE_KWARG, CACHE_SCHEMES
+from ..config import SCHEME_RULES, positional_config
+from ..masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
+                     padded_self_attention, window_mask)
+from ..rows import left_pads, span_rows_attention
+from .convert import register_rope_type
+from .state import layer_alibi_bias, layer_positional
 
-require_transformers()      # one line naming what to install, before the imports that need it
-
-from ..attention import attend  # noqa: E402
-from ..reference import dense_attention
-from . import hf_cache
-from .hf_cache import CACHE_KWARG, PoslshCache, enable_generation_cache, generation_cache
-from .hf_convert import (IMPLEMENTATIONS, NO_ROTATION, SCHEMES, NoRotaryEmbedding, PositionalConfig, convert,
-                         positional_config, register_rope_type)
-from .hf_masks import (allowed_mask, dense_cause, documents_from_mask, lazy_causal_mask, packed_documents,
-                       padded_self_attention, window_mask)
-from .hf_state import LayerState, layer_alibi_bias, layer_partitions, layer_positional, layer_state, layer_window
-from .hf_alibi import alibi_stats, patch_alibi
-from .hf_alibi_cache import alibi_cache
-
-__all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "register", "apply_positional_scheme",
-           "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
-           "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
-           "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
-           "layer_positional", "PoslshCache", "generation_cache",
-           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache"]
+__all__ = ["attention_forward", "poslsh_attention_forward",
+           "fixed_blocks_attention_forward", "alibi_attention_forward", "alibi_window_attention_forward", "register",
+           "STEP_KWARG", "CONTEXT_KWARG"]
 
 log = logging.getLogger("poslsh.integrations.hf")
 STEP_KWARG = "poslsh_step"
@@ -161,22 +139,11 @@ def _fast(attend_op, query, key, value, allowed, causal: bool, window: Optional[
     return out
 
 
-class SchemeRules(NamedTuple):
-    """What differs between the schemes; everything else is one attention function."""
-
-    near_linear: bool     # the near-linear ops (else dense like stock sdpa: exact ALiBi)
-    resampled: bool       # training draws new partitions every forward (decoding needs model.eval())
-
-
-SCHEME_RULES = {"poslsh": SchemeRules(True, True), "fixed_blocks": SchemeRules(True, True),
-                "alibi-window": SchemeRules(True, False), "alibi": SchemeRules(False, False)}
-
-
 def attention_forward(scheme: str, module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0,
                       **kwargs):
     """The attention of every scheme (:data:`SCHEME_RULES`): ``(module, q [B, Hq, nq, d], k/v [B, Hkv, nk, d],
     mask, ...) -> ([B, nq, Hq, dv], None)``, attending with the layer's positional object
-    (:func:`~poslsh.integrations.hf_state.layer_positional`: partitions or a window) through
+    (:func:`~.state.layer_positional`: partitions or a window) through
     :func:`poslsh.attend`; context-parallel shards, :class:`PoslshCache` steps, packed documents, padding
     and a full cache take the near-linear ops, any other mask the exact dense path."""
     rules = SCHEME_RULES[scheme]
@@ -185,10 +152,10 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
     layer = kwargs.pop(CACHE_KWARG, None)
     if not rules.near_linear and context is not None:
         raise ValueError(f"poslsh_context: exact ALiBi cannot run context-parallel ({scheme}: every query sees every "
-                         "earlier key); use the poslsh, fixed_blocks or alibi-window implementation")
+                         f"earlier key); use the {' / '.join(CACHE_SCHEMES)} implementation")
     if not rules.near_linear and layer is not None:
-        raise ValueError("cache: a PoslshCache serves poslsh, fixed_blocks and alibi-window attention but this model "
-                         "runs exact ALiBi (every key stays needed); use transformers' DynamicCache")
+        raise ValueError(f"cache: a PoslshCache serves {' / '.join(CACHE_SCHEMES)} attention but this model runs "
+                         "exact ALiBi (every key stays needed); use transformers' DynamicCache")
     _check_kwargs(module, dropout, kwargs)
     query, key, value = _same_dtype(query, key, value)
     B, H, nq, d = query.shape
@@ -212,7 +179,7 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
         elif layer is not None:   # a PoslshCache step: the keys are the layer's bounded window
             if kwargs.get("sliding_window") is not None or not causal:
                 raise ValueError("cache: a PoslshCache needs causal attention without a sliding window")
-            out = hf_cache.attend(layer, module, scheme, query, key, value, allowed, positional, scaling, backend,
+            out = cache.attend(layer, module, scheme, query, key, value, allowed, positional, scaling, backend,
                                   kwargs.get("position_ids"))
         elif not rules.near_linear:   # exact ALiBi, dense like stock sdpa (packed documents: the dense oracle)
             docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk)
@@ -224,9 +191,9 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
         else:
             out = _fast(attend_op, query, key, value, allowed, causal, window, kwargs)
             if out is None and window is None and causal and nq != nk and (
-                    pads := hf_cache.left_pads(allowed, B, nq, nk)) is not None:
+                    pads := left_pads(allowed, B, nq, nk)) is not None:
                 # decoding against a full cache (keys 0..nk-1, queries the last nq): spans, per group of rows
-                out = hf_cache.span_rows_attention(query, key, value, positional, nk - nq, 0, pads, scaling, backend)
+                out = span_rows_attention(query, key, value, positional, nk - nq, 0, pads, scaling, backend)
             if out is None:   # a mask the op cannot express: exact, dense O(nq * nk)
                 _warn_dense_once(module, scheme, dense_cause(nq, nk, causal, window))
                 bias = positional.dense_bias(torch.arange(nk - nq, nk, device=query.device),
@@ -265,7 +232,7 @@ _FUNCTIONS = {"poslsh": poslsh_attention_forward, "fixed_blocks": fixed_blocks_a
               "alibi": alibi_attention_forward, "alibi-window": alibi_window_attention_forward}
 
 
-# ------------------------------------------------------------ registration, conversion, loading
+# ------------------------------------------------------------ registration
 def register() -> None:
     """Register the attention implementations, their mask builder and the no-rotation rope
     type with transformers (idempotent; done on import)."""
@@ -278,58 +245,3 @@ def register() -> None:
         # Without a mask builder transformers passes attention_mask=None to unknown
         # implementations, silently dropping padding.
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, lazy_causal_mask)
-
-
-def apply_positional_scheme(model_or_config, scheme: Optional[str] = None, **params):
-    """Give a Llama/Qwen3/Mistral-family model (in place) or config (a copy) the positional
-    scheme ``scheme`` (one of :data:`SCHEMES`; default: ``config.poslsh`` as saved).
-
-    ``"original"`` keeps RoPE and ``sdpa``. ``"alibi"``, ``"poslsh"``, ``"fixed_blocks"``,
-    ``"alibi-window"`` set ``attn_implementation`` to that name and remove RoPE (on a model; for
-    a config use :func:`model_from_config`). ``params`` are :class:`PositionalConfig` fields
-    (``num_samples``, ``sampler``, ``group_size``, ``block_size``, ``seed``, ``eval_seed``,
-    ``backend``; for ``"alibi-window"`` exactly one of ``window_sigmas``, ``window_cost_samples``).
-    """
-    register()
-    out = convert(model_or_config, scheme, **params)
-    return out if out is not model_or_config else enable_generation_cache(out)
-
-
-def from_pretrained(path, **kwargs):
-    """Load a model saved with ``save_pretrained`` and re-apply its saved positional scheme
-    (``config.poslsh``): RoPE removed, the attention implementation selected, and the
-    bounded cache of ``generate()`` enabled.
-
-    Plain ``AutoModelForCausalLM.from_pretrained`` gives the same logits for models saved by
-    this version (with poslsh imported); models saved before it came back as RoPE + sdpa, which
-    this function still loads correctly. ``kwargs`` go to ``from_pretrained`` (e.g. ``dtype``);
-    nothing is downloaded unless ``local_files_only=False`` is passed.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    register()
-    kwargs.setdefault("local_files_only", True)
-    config = AutoConfig.from_pretrained(path, local_files_only=kwargs["local_files_only"])
-    pc = positional_config(config)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=pc.implementation, **kwargs)
-    if pc.scheme == "original":
-        return model
-    params = {k: v for k, v in asdict(pc).items() if k not in ("scheme", "rope_removed")}
-    return enable_generation_cache(convert(model, pc.scheme, **params))
-
-
-def model_from_config(config, scheme: Optional[str] = None, **params):
-    """``AutoModelForCausalLM.from_config`` with a positional scheme applied (randomly initialised)."""
-    from transformers import AutoModelForCausalLM
-
-    register()
-    scheme = scheme or positional_config(config).scheme
-    cfg = convert(config, scheme, **params)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=positional_config(cfg).implementation)
-    return enable_generation_cache(convert(model, scheme, **params))
-
-
-try:  # register on import when transformers is installed
-    register()
-except ImportError:  # pragma: no cover - transformers is an optional extra
-    pass

@@ -9,7 +9,7 @@ ops make of them.
 * Padding: a causal mask with one contiguous run of valid keys per row (right or left padding)
   runs the near-linear op (:func:`padded_self_attention`: left-padded rows are rolled so their
   valid tokens start at 0); a full KV cache with left padding attends per group of rows at the
-  queries' and keys' positions (:func:`poslsh.integrations.hf_rows.span_rows_attention`).
+  queries' and keys' positions (:func:`poslsh.integrations.hf.rows.span_rows_attention`).
 * A 4-D mask that is exactly packed causal documents (block-diagonal causal) is read as documents.
 
 Any other mask is left to the caller's exact dense path.

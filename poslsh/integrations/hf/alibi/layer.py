@@ -11,67 +11,99 @@ estimate. ``O(B H n d)`` per call, no ``n x n``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ..partitions import sample_partitions
-from ..positional import Positional
-from ..seeding import stable_seed
-from ..window.kind import NO_WINDOW, make_window
-from ..window.theory import smallest_window
-from .hf_alibi_attend import attend_rows, update_kv
-from .hf_alibi_call import call_of
-from .hf_alibi_cache import attend_cached, windowed_cache_of
+from ....decoding import PER_HEAD_STORES
+from ....partitions import Partitions, sample_partitions
+from ....positional import Positional
+from ....seeding import stable_seed
+from ....window.kind import NO_WINDOW, AlibiWindow, make_window
+from ....window.theory import smallest_window
+from .attend import attend_rows, update_kv
+from .call import call_of
+from .cache import attend_cached, windowed_cache_of
 
-__all__ = ["LayerAlibi", "layer_attention", "certified_logit_range", "falcon_bf16_bias"]
+__all__ = ["LayerAlibi", "STATS_MODES", "keeps_every_key", "layer_attention", "certified_logit_range"]
+
+
+# alibi_stats()'s "mode" field is a word for people reading the report (documented in docs/alibi_models.md), so
+# a string; it is derived here, and only here, from the layer's positional object: None (windows chosen per call),
+# an object that cuts no key (exact ALiBi), else its kind's op. Nothing decides anything on these words.
+STATS_MODES = {Partitions.op: "positional_lsh", AlibiWindow.op: "window"}
+CERTIFIED, EXACT = "certified", "exact"
+
+
+def keeps_every_key(positional: Positional) -> bool:
+    """Exact ALiBi: no head of ``positional`` cuts a key (asked of the object: every head's cache bound is
+    :data:`~poslsh.window.kind.NO_WINDOW`)."""
+    return all(bound >= NO_WINDOW for bound in positional.cache_bound(per_head=True))
 
 
 @dataclass
 class LayerAlibi:
     """A patched layer: ``slopes`` float64 ``[H]`` in logit units (what multiplies ``|i - j|`` after the
-    logit scale), ``scale`` (the logit scale of ``q . k``), ``mode`` (``"exact"``, ``"window"``,
-    ``"certified"``, ``"positional_lsh"``), the fixed ``positional`` object (None for certified windows,
-    chosen per call), ``tol``, ``backend``, ``key_bias`` (Falcon's bfloat16 rounding term, or None),
-    ``last`` (the windows and logit ranges of the last call)."""
+    logit scale), ``scale`` (the logit scale of ``q . k``), the fixed ``positional`` object (exact ALiBi, fixed
+    windows or positional LSH; None for certified windows, chosen per call with ``tol``), ``backend``,
+    ``key_bias`` (Falcon's bfloat16 rounding term, or None), ``last`` (the windows and logit ranges of the last
+    certified call). What it is (:attr:`mode`, :attr:`exact`, :attr:`fixed_windows`) is asked of the object."""
 
     family: str
     layer: int
     slopes: Tensor
     scale: float
-    mode: str
     positional: Optional[Positional]
     tol: Optional[float]
     backend: str
     key_bias: Optional[Callable[[Tensor], Tensor]] = None
     num_samples: Optional[int] = None
     kv_heads: int = 0
+    positions: str = "cumsum"                     # how the family counts a row's positions (Family.positions)
     owner: Optional[Callable] = None              # weakref to the patched model's config
     last: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, family: str, layer: int, slopes: Tensor, scale: float, *, window, tol, num_samples, seed,
-              backend, key_bias=None, kv_heads: int = 0) -> "LayerAlibi":
+              backend, key_bias=None, kv_heads: int = 0, positions: str = "cumsum") -> "LayerAlibi":
         slopes = slopes.detach().to("cpu", torch.float64)
-        common = dict(backend=backend, key_bias=key_bias, kv_heads=int(kv_heads) or int(slopes.numel()))
+        common = dict(backend=backend, key_bias=key_bias, kv_heads=int(kv_heads) or int(slopes.numel()),
+                      positions=positions)
         if num_samples is not None:
             parts = sample_partitions(1.0 / slopes, num_samples, seed=stable_seed("patch_alibi", seed, layer))
-            return cls(family, layer, slopes, scale, "positional_lsh", parts, None, num_samples=num_samples, **common)
-        if isinstance(window, str):
-            return cls(family, layer, slopes, scale, "certified", None, float(tol), **common)
-        if window is None:
-            return cls(family, layer, slopes, scale, "exact", make_window(slopes, NO_WINDOW), None, **common)
-        return cls(family, layer, slopes, scale, "window", make_window(slopes, window), None, **common)
+            return cls(family, layer, slopes, scale, parts, None, num_samples=num_samples, **common)
+        if isinstance(window, str):                 # "certified": the windows of each call's bound
+            return cls(family, layer, slopes, scale, None, float(tol), **common)
+        window = NO_WINDOW if window is None else window
+        return cls(family, layer, slopes, scale, make_window(slopes, window), None, **common)
+
+    @cached_property
+    def exact(self) -> bool:
+        """Exact ALiBi: a fixed object that cuts no key."""
+        return self.positional is not None and keeps_every_key(self.positional)
+
+    @property
+    def fixed_windows(self) -> bool:
+        """A per-head window cache can decode this layer: its object is fixed (not chosen per call), its kind keeps
+        a store per KV head (:data:`poslsh.decoding.PER_HEAD_STORES`) and it drops keys (exact ALiBi needs all)."""
+        return self.positional is not None and self.positional.op in PER_HEAD_STORES and not self.exact
+
+    @property
+    def mode(self) -> str:
+        """``alibi_stats()``'s word for this layer: ``"exact"``, ``"window"``, ``"certified"`` or
+        ``"positional_lsh"`` (see :data:`STATS_MODES`)."""
+        if self.positional is None:
+            return CERTIFIED
+        return EXACT if self.exact else STATS_MODES[self.positional.op]
 
     def positional_for(self, query: Tensor, key: Tensor) -> Positional:
         """The positional object of this call (certified: the windows this call's bound needs)."""
         if self.positional is not None:
-            pos = self.positional if self.positional.device == query.device else self.positional.to(query.device)
-            self.positional = pos
-            if self.mode == "window":
-                self.last = {"window": pos.window.tolist()}
-            return pos
+            if self.positional.device != query.device:
+                self.positional = self.positional.to(query.device)
+            return self.positional
         R = certified_logit_range(query, key, self.scale)
         w = smallest_window(self.tol, 1.0 / self.slopes, R.cpu(), causal=True, n=max(int(key.shape[2]), 1))
         self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2])}
@@ -80,15 +112,13 @@ class LayerAlibi:
     def stats(self) -> dict:
         out = {"layer": self.layer, "family": self.family, "mode": self.mode, "heads": int(self.slopes.numel()),
                "slopes": self.slopes.tolist(), "falcon_bias": "bfloat16" if self.key_bias is not None else None}
-        if self.mode == "exact":
-            out["window"] = None
-        elif self.mode == "window":
-            out["window"] = self.positional.window.tolist()
-        elif self.mode == "certified":
+        if self.positional is None:                 # certified: the windows of the last call
             out.update(tol=self.tol, window=self.last.get("window"), logit_range=self.last.get("logit_range"),
                        keys=self.last.get("keys"))
-        else:
+        elif self.num_samples is not None:          # positional LSH
             out["num_samples"] = self.num_samples
+        else:
+            out["window"] = None if self.exact else self.positional.window.tolist()
         return out
 
 
@@ -103,26 +133,10 @@ def certified_logit_range(query: Tensor, key: Tensor, scale: float) -> Tensor:
     return 2.0 * abs(scale) * qn * kn
 
 
-def falcon_bf16_bias(slopes32: Tensor, head_dim: int) -> Callable[[Tensor], Tensor]:
-    """Falcon's bias as transformers computes it, ``bf16(bf16(m_h) p_j) / sqrt(head_dim)``, minus the exact
-    ALiBi part ``bf16(m_h) p_j / sqrt(head_dim)`` the op adds: ``positions [m] -> [H, m]`` (float64), the
-    rounding error of the product per key."""
-    m = slopes32.to(torch.float32).to(torch.bfloat16)
-    m64 = m.to(torch.float64)
-    root = float(head_dim) ** 0.5
-
-    def bias(positions: Tensor) -> Tensor:
-        p = positions.to(torch.int64)
-        rounded = (m.to(p.device)[:, None] * p[None, :]).to(torch.float64)           # bfloat16 product, as Falcon
-        return (rounded - m64.to(p.device)[:, None] * p[None, :].to(torch.float64)) / root
-
-    return bias
-
-
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:
     """A patched layer's attention: the key/value step, then every row at its own positions with the
-    layer's positional object (:func:`~poslsh.integrations.hf_alibi_attend.attend_rows`). ``mask`` is
-    whatever the model passed its layer: only a key to the call (:func:`~.hf_alibi_call.call_of`), never
+    layer's positional object (:func:`~.attend.attend_rows`). ``mask`` is
+    whatever the model passed its layer: only a key to the call (:func:`~.call.call_of`), never
     read. ``[B, Hq, nq, dv]``."""
     st: LayerAlibi = module._poslsh_alibi
     call = call_of(mask)
@@ -135,4 +149,4 @@ def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cac
     positional = st.positional_for(query, key)
     p = float(dropout) if module.training else 0.0
     return attend_rows(query, key, value, call, positional, scale=st.scale, backend=st.backend, k_first=k_first,
-                       dropout=p, key_bias=st.key_bias, rule="index" if st.family == "mpt" else "cumsum")
+                       dropout=p, key_bias=st.key_bias, rule=st.positions)

@@ -3,7 +3,7 @@ call per group of rows, the key/value step, and exact dropout.
 
 transformers masks keys, not queries: a query whose own token is padding still attends, and models read
 those rows (a classifier's pooled token, the causal-LM shift from the last left pad). So for each batch row
-with real tokens ``[s, e)`` (the :class:`~.hf_alibi_call.AlibiCall`'s mask) :func:`attend_rows` gives
+with real tokens ``[s, e)`` (the :class:`~.call.AlibiCall`'s mask) :func:`attend_rows` gives
 
 * queries in ``[s, e)``: causal ALiBi-family attention to the run's keys at their own positions, one
   :func:`poslsh.attend` per group of rows with equal offsets (one call for an unpadded batch);
@@ -21,15 +21,15 @@ values meet its cache.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..attention import attend
-from ..decoding import span_backend
-from ..positional import Positional
-from .hf_alibi_call import NO_CALL, AlibiCall, row_runs
+from ....decoding.rows import RowSpan, row_groups
+from ....positional import Positional
+from ..rows import attend_at, attend_row_groups
+from .call import NO_CALL, AlibiCall, row_runs
 
 __all__ = ["row_positions", "update_kv", "attend_rows", "chunked_attention", "CHUNK"]
 
@@ -80,10 +80,10 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, call: AlibiCall, posi
     first_q = total - nq                     # padded position of query row 0
     opts = dict(positional=positional, scale=scale, k_first=k_first, dropout=dropout, key_bias=key_bias)
 
-    def run(rows, i0, i1, s, e):
-        q = query[rows, :, i0:i1]
-        k, v = key[rows, :, max(s, k_first) - k_first:e - k_first], value[rows, :, max(s, k_first) - k_first:e - k_first]
-        qs, ks = first_q + i0 - s, max(s, k_first) - s
+    def run(rows, span: RowSpan) -> Tensor:
+        q = query[rows, :, span.i0:span.i1]
+        k, v = key[rows, :, span.j0:span.j1], value[rows, :, span.j0:span.j1]
+        qs, ks = span.q_start, span.k_start
         if key_bias is not None:
             q, k, v = _with_key_bias(q, k, v, key_bias(torch.arange(ks, ks + k.shape[2], device=q.device)), scale)
         if dropout > 0:
@@ -92,24 +92,13 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, call: AlibiCall, posi
                                  "or unpacked rows")
             qp, kp = torch.arange(qs, qs + q.shape[2]), torch.arange(ks, ks + k.shape[2])
             return chunked_attention(q, k, v, positional, scale, qp, kp, qp, kp, None, dropout)
-        if qs == 0 and ks == 0 and q.shape[2] == k.shape[2]:
-            docs = {} if documents is None else {"document_ids": documents[rows] if documents.shape[0] > 1
-                                                 else documents.expand(q.shape[0], -1)}
-            return attend(q, k, v, positional, causal=True, scale=scale, backend=backend, **docs)
-        return attend(q, k, v, positional, causal=True, scale=scale, backend=span_backend(backend, q, positional.op),
-                      q_start=qs, k_start=ks)
+        docs = {} if documents is None else {"document_ids": documents[rows] if documents.shape[0] > 1
+                                             else documents.expand(q.shape[0], -1)}
+        return attend_at(q, k, v, positional, qs, ks, scale=scale, backend=backend, **docs)
 
+    out = attend_row_groups(query, value.shape[-1], row_groups(runs, first_q, nq, k_first, nk), run)
     if valid is None:                        # no padding: one call for the batch
-        return run(slice(None), 0, nq, 0, total)
-    groups: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for b, r in enumerate(runs):
-        if r is not None and r[1] > r[0]:
-            i0, i1 = max(r[0] - first_q, 0), r[1] - first_q
-            if i1 > i0:
-                groups.setdefault((i0, i1, r[0], r[1]), []).append(b)
-    out = query.new_zeros(B, Hq, nq, value.shape[-1])
-    for (i0, i1, s, e), rows in groups.items():
-        out = _put(out, torch.tensor(rows, device=query.device), i0, i1, run(rows, i0, i1, s, e))
+        return out
     for b, r in enumerate(runs):
         if r is None or r[1] < total or r[0] > first_q:      # masked queries: a gap, after or before the run
             out = _put(out, torch.tensor([b], device=query.device), 0, nq,
