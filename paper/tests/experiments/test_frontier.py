@@ -178,6 +178,22 @@ def test_cli_end_to_end_resume_and_only_timing(tmp_path, capsys, tiny_model_dir)
     assert "Equal cost" in capsys.readouterr().out
 
 
+def _check_ratio_columns(md: str) -> None:
+    """Every `a/b` column of the equal-cost table is the ratio of the MAE columns it names (the grouped
+    ratio once divided by a window that was not in the table: the one of grouped's own cost)."""
+    table = [line.strip("| ").split(" | ") for line in md.split("## Equal cost")[1].split("##")[0].splitlines()
+             if line.startswith("| ")]
+    head, rows = table[0], table[2:]
+    ratios = [c for c in head if c.count("/") == 1 and all(f"MAE {x}" in head for x in c.split("/"))]
+    assert rows and {"grouped/window@grouped", "iid/window", "hybrid/window"} <= set(ratios), head
+    for row in rows:
+        cell = dict(zip(head, row))
+        for c in ratios:
+            a, b = c.split("/")
+            assert float(cell[c].rstrip("x")) == pytest.approx(float(cell[f"MAE {a}"]) / float(cell[f"MAE {b}"]),
+                                                               rel=0.02), (c, cell)
+
+
 @pytest.fixture
 def nothing_installed(tmp_path, monkeypatch):
     """A fresh machine: no SmolLM2 (no cache, no package) and no corpus, whatever this one has."""
@@ -200,6 +216,7 @@ def test_quick_runs_on_a_fresh_machine_and_says_what_it_left_out(tmp_path, capsy
     assert len(said) == 1 and "random Q/K/V only" in said[0] and "no model" in said[0], printed
     rep = json.loads((out / "frontier.json").read_text())
     assert {r["source"] for r in rep["heads"]} == {"random std 2"} and rep["config"]["real_inputs"] == [0]
+    _check_ratio_columns((out / "frontier.md").read_text())
     assert main(["frontier", "--quick", "--if-missing", "stop", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no model" in err[0] and "--real-inputs 0" in err[0], err
