@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.poslsh-installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench gpu-bundle clean
 
 $(STAMP): pyproject.toml paper/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-slow: setup
 
 bench: setup
 	$(PY) benchmarks/bench_cpu.py
+
+# The wheels the GPU machine lacks (transformers of the tested range), into .gpu/ for the device call
+# to carry (docs/gpu.md); needs the package index, not the venv.
+gpu-bundle:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
