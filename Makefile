@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.poslsh-installed
 HF_FLOOR ?= 5.24.0
 HF_VENV  ?= .venv-hf-floor
 
-.PHONY: setup demo test test-hf-range test-hf-next test-slow bench clean
+.PHONY: setup demo test test-hf-range test-hf-next test-slow bench gpu-bundle clean
 
 $(STAMP): pyproject.toml paper/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test-slow: setup
 
 bench: setup
 	$(PY) benchmarks/bench_cpu.py
+
+# The wheels the GPU machine lacks (transformers of the tested range), into .gpu/ for the device call
+# to carry (docs/gpu.md); needs the package index, not the venv.
+gpu-bundle:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) $(HF_VENV) $(HF_VENV)-next build *.egg-info

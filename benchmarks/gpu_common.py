@@ -105,9 +105,24 @@ class Unavailable(Exception):
     """The method cannot run here; the message is the one-line reason (the registry's)."""
 
 
+def interpreter_problem() -> Optional[str]:
+    """Under Triton's CPU interpreter (the dry run): why it cannot run the kernels here, in the words
+    the tests skip with (triton < 3.9 with numpy >= 2.4: triton-lang/triton#9171); else None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from poslsh.ops.triton import _config
+    except Exception:       # no triton at all: the registry says so
+        return None
+    return _config.interpreter_problem()
+
+
 def can_run(backend: str, op: str, q, needs=()) -> Optional[str]:
-    """None when ``backend`` serves ``op`` on ``q``; otherwise the registry's one-line reason."""
+    """None when ``backend`` serves ``op`` on ``q``; otherwise the registry's one-line reason (or, in the
+    dry run, why Triton's interpreter cannot run here)."""
     poslsh.available_backends()                     # loads the backends
+    if backend == "triton" and interpreter_problem():
+        return interpreter_problem()
     try:
         registry.resolve(backend, op, q, needs)
     except ValueError as e:

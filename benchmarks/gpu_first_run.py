@@ -315,7 +315,8 @@ def tests(args) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     procs = []
     for i in range(shards):
-        log = open(os.path.join(args.out, f"tests-shard{i}.log"), "w")
+        os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+        log = open(os.path.join(args.out, "logs", f"tests-shard{i}.log"), "w")
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "--tb=short", "-p", "no:cacheprovider",
                "-p", "gpu_pytest_rows", f"--shard={i}/{shards}", f"--rows-out={args.out}",
                f"--rows-stage={args.stage}", *files]

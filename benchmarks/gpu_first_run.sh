@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# The first run of poslsh on a GPU: correctness, then the 128k and 32k timings, then the GPU
-# tests, in at most 330 s of stage limits (6 minutes of a 15-minute device lease, with start-up).
+# The first run of poslsh on a GPU, one command for one device lease: correctness against the float64
+# oracle, the 128k and 32k timings, patched transformers models, the per-head cache's decoding, then the
+# GPU tests, in at most 540 s of stage limits (9 minutes; docs/gpu.md has the device call).
 #
 #   bash benchmarks/gpu_first_run.sh                 # from the repository root, on a CUDA machine
 #   bash benchmarks/gpu_first_run.sh --dry-run       # the same code path on the CPU (~1 min)
 #   bash benchmarks/gpu_first_run.sh --check-budget  # print the budget arithmetic
+#   bash benchmarks/gpu_first_run.sh --check-env     # the interpreter and versions the stages would use
 #
-# Needs torch (with FlexAttention) + triton on the machine; installs nothing. Every stage runs
-# under `timeout` with its own limit (seconds) and writes each result the moment it is measured,
-# as a row of $OUT/results.md and results.csv (--out DIR, else $OUT, else outputs/gpu_first_run/):
-#   warm    75  compile every kernel of stages check..t32k in 6 parallel processes (disk caches)
-#   check   58  bf16 n=4096 fwd+bwd vs the float64 oracle: triton, flex (with lse), the window op
-#   t128k   60  n=131072 timings, fwd and fwd+bwd, and the targets
-#   t32k    40  n=32768, the same
-#   tests   87  pytest -m gpu in parallel shards, one row per test with its printed errors
-# 320 s of limits + 5 x 2 s of kill grace = 330 s. A stage that fails or times out is reported
-# and the next one still runs; the exit status is 1 if any did.
+# Needs torch (with FlexAttention) + triton on the machine; installs nothing. The interpreter: $PYTHON,
+# else .venv/bin/python when it exists (after `make demo`), else python3. Carried wheels in .gpu/
+# (`make gpu-bundle`: transformers of the tested range) go first on PYTHONPATH. Every stage runs under
+# `timeout` with its own limit (seconds), prints one line (its verdict, its rows counted, the first
+# failure and why rows were unavailable; the log in logs/) and writes each result the moment it is
+# measured, as a row of $OUT/results.md and results.csv (--out DIR, else $OUT, else outputs/gpu_first_run/):
+#   warm     75  compile every kernel of stages check..t32k in 6 parallel processes (disk caches)
+#   check    58  bf16 n=4096 fwd+bwd vs the float64 oracle: triton, flex (with lse), the window op
+#   t128k    60  n=131072 timings, fwd and fwd+bwd, and the targets
+#   t32k     40  n=32768, the same
+#   models   70  patch_alibi on a BLOOM-560m-shaped model, bf16: exact and certified vs float64, peak memory vs eager
+#   cache    40  the per-head window cache: decoding step by step vs the float64 forward, generate()
+#   encoders 35  reserved: ALiBi encoders (their code is not in the tree yet)
+#   decode   45  reserved: long-context decoding of patched models (likewise)
+#   tests    87  pytest -m gpu in parallel shards, one row per test with its printed errors
+# 510 s of limits + 9 x 2 s of kill grace = 528 s. A stage that fails or times out is reported in one
+# line and the next one still runs; the exit status is 1 if any did.
 #
-# Options: --dry-run, --out DIR, --stages a,b, --limits name=s,..., --check-budget (gpu_stages.sh).
+# Options: --dry-run, --out DIR, --stages a,b, --limits name=s,..., --check-budget, --check-env (gpu_stages.sh).
 cd "$(dirname "$0")/.." || exit 2
-STAGES=(warm:75 check:58 t128k:60 t32k:40 tests:87)
+# The stage list, in running order (name:limit in seconds). A new stage gets a line here, a case in
+# run_stage below and its limit inside the budget (tests/test_gpu_first_run.py checks all three).
+STAGES=(warm:75 check:58 t128k:60 t32k:40 models:70 cache:40 encoders:35 decode:45 tests:87)
 TITLE="poslsh first GPU run"
 HEADER_LINES=(
   "Configuration: bf16, B = 1, H = 16 ALiBi heads, d = 128, s = 10 i.i.d. samples, causal; autotuning off"
@@ -33,18 +44,25 @@ HEADER_LINES=(
   "Methods: poslsh-triton / poslsh-flex = positional LSH on the fused kernel / on FlexAttention;"
   "window-flex / window-triton = windowed_alibi_attention (window ceil(10 sigma_h) per head);"
   "exact-flex = exact ALiBi (the window op with window = n); sdpa-flash = dense flash attention, no bias."
+  "models / cache: transformers' BloomModel / BloomForCausalLM at BLOOM-560m's shapes (random weights,"
+  "vocabulary 4096), eager against patch_alibi; errors against the same model in float64."
 )
 
 run_stage() {   # run_stage NAME LIMIT
-  local py=${PYTHON:-python3} dry=()
+  local dry=()
   [ $DRY_RUN -eq 1 ] && dry=(--dry-run)
   local common=(--out "$DEST" --stage "$1" "${dry[@]}")
   case $1 in
-    warm)  stage "$1" "$2" "$py" benchmarks/gpu_first_run.py warm "${common[@]}" ;;
-    check) stage "$1" "$2" "$py" benchmarks/gpu_first_run.py check "${common[@]}" ;;
-    t128k) stage "$1" "$2" "$py" benchmarks/gpu_first_run.py times --n 131072 "${common[@]}" ;;
-    t32k)  stage "$1" "$2" "$py" benchmarks/gpu_first_run.py times --n 32768 "${common[@]}" ;;
-    tests) stage "$1" "$2" "$py" benchmarks/gpu_first_run.py tests "${common[@]}" ;;
+    warm)     stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py warm "${common[@]}" ;;
+    check)    stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py check "${common[@]}" ;;
+    t128k)    stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py times --n 131072 "${common[@]}" ;;
+    t32k)     stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py times --n 32768 "${common[@]}" ;;
+    models)   stage "$1" "$2" "$PY" benchmarks/gpu_models.py models "${common[@]}" ;;
+    cache)    stage "$1" "$2" "$PY" benchmarks/gpu_models.py cache "${common[@]}" ;;
+    encoders) reserved "$1" "ALiBi encoders: bf16 checks of the encoder models against float64 (not in the tree yet)" ;;
+    decode)   reserved "$1" "long-context decoding of patched models against float64 (not in the tree yet)" ;;
+    tests)    stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py tests "${common[@]}" ;;
+    *)        echo "stage $1: no such stage in run_stage" >&2; FAILED="$FAILED $1" ;;
   esac
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What does not fit the first GPU run (gpu_first_run.sh): longer sweeps, grouped vs i.i.d.
 # partitions at s = 20, positional LSH on FlexAttention timed, TMA and launch variants of the
-# Triton kernel. A second device lease of its own: at most 330 s of stage limits.
+# Triton kernel. A second device lease of its own: at most 540 s of stage limits (322 s used).
 #
 #   bash benchmarks/gpu_more.sh [--dry-run] [--out DIR] [--stages a,b] [--limits name=s,...]
 #
@@ -20,9 +20,9 @@ HEADER_LINES=("Configuration unless a stage says otherwise: bf16, B = 1, H = 16 
               "autotuning off (POSLSH_TRITON_AUTOTUNE=0); median ms of CUDA-event repetitions.")
 
 run_stage() {   # run_stage NAME LIMIT
-  local py=${PYTHON:-python3} dry=()
+  local dry=()
   [ $DRY_RUN -eq 1 ] && dry=(--dry-run)
-  local bench=("$py" benchmarks/bench_gpu.py --out "$DEST" --append --stage "$1" "${dry[@]}")
+  local bench=("$PY" benchmarks/bench_gpu.py --out "$DEST" --append --stage "$1" "${dry[@]}")
   case $1 in
     grouped20)  stage "$1" "$2" "${bench[@]}" --n 131072 32768 --methods poslsh-triton --samples 20 --sampler grouped ;;
     iid20)      stage "$1" "$2" "${bench[@]}" --n 131072 32768 --methods poslsh-triton --samples 20 ;;

@@ -41,10 +41,10 @@ class Recorder:
             os.close(fd)
 
     def row(self, item: str, result: str, value: Optional[float] = None, unit: str = "", *, n="", mode="",
-            detail: str = "", fatal: bool = True) -> None:
+            detail: str = "", fatal: bool = True, quiet: bool = False) -> None:
         """One result. ``result``: ``ok``/``PASS``/``FAIL``/``error``/``oom``/``skipped``/``unavailable``/
         ``info``/``passed``/``failed``; with ``fatal``, FAIL, error, oom and failed count as failures
-        of the stage."""
+        of the stage. ``quiet``: not echoed (the caller printed it)."""
         shown = "" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
         fields = [self.stage, item, n, mode, result, shown, unit, detail]
         self._append("results.md", "| " + " | ".join(_md(f) for f in fields) + " |\n")
@@ -53,7 +53,8 @@ class Recorder:
         self._append("results.csv", buf.getvalue())
         if fatal and result in ("FAIL", "error", "oom", "failed"):
             self.failures += 1
-        print(f"[{self.stage}] {item} {n} {mode}: {result} {shown} {unit} {detail}".rstrip(), flush=True)
+        if not quiet:
+            print(f"[{self.stage}] {item} {n} {mode}: {result} {shown} {unit} {detail}".rstrip(), flush=True)
 
 
 def header(out: str, title: str, lines) -> None:
@@ -66,15 +67,60 @@ def header(out: str, title: str, lines) -> None:
         csv.writer(f).writerow(COLUMNS)
 
 
+# the order a stage's counts are said in: what went wrong first
+ORDER = ("FAIL", "error", "oom", "failed", "timed out", "PASS", "ok", "passed", "unavailable", "skipped", "info")
+
+
+def _last_error(log: str) -> str:
+    """The line of a stage's log that says why it stopped: the last one naming an error, else the last."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip() and not line.startswith("[")]
+    except OSError:
+        return ""
+    named = [line for line in lines if "Error" in line or "error:" in line or "No module named" in line]
+    return (named or lines or [""])[-1][:300]
+
+
+def summary(out: str, stage: str, log: str = "", rc: int = 0) -> str:
+    """One line on a stage: its rows counted by result, the first thing that went wrong (or, with no
+    failing row and a non-zero exit status, the log's last error line), and why rows were unavailable."""
+    try:
+        with open(os.path.join(out, "results.csv"), newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["stage"] == stage and r["item"] != f"stage {stage}"]
+    except OSError:
+        rows = []
+    counts = {}
+    for r in rows:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    said = ", ".join(f"{counts[k]} {k}" for k in sorted(counts, key=lambda k: (ORDER + (k,)).index(k)))
+    parts = [said or "no rows"]
+    bad = [r for r in rows if r["result"] in ("FAIL", "error", "oom", "failed")]
+    if bad:
+        parts.append(f"first: {bad[0]['item']} {bad[0]['n']} {bad[0]['mode']}".rstrip() + f": {bad[0]['detail']}"[:300])
+    elif rc not in (0, 124, 137) and log:
+        parts.append(f"why: {_last_error(log)}")
+    # each reason up to its first parenthesis (the row in results.md has it whole)
+    why = list(dict.fromkeys(r["detail"].split(" (")[0] if len(r["detail"].split(" (")[0]) >= 20 else r["detail"]
+                             for r in rows if r["result"] == "unavailable" and r["detail"]))
+    if why:
+        parts.append(f"unavailable: {why[0]}" + (f" (and {len(why) - 1} other reasons)" if len(why) > 1 else ""))
+    return "; ".join(parts)
+
+
 def main(argv) -> int:
-    """``header OUT TITLE [LINE...]`` or ``row OUT STAGE ITEM RESULT [VALUE [UNIT [DETAIL]]]`` (from the shell)."""
+    """``header OUT TITLE [LINE...]``, ``row OUT STAGE ITEM RESULT [VALUE [UNIT [DETAIL]]]`` or
+    ``summary OUT STAGE [LOG [EXIT_STATUS]]`` (from the shell)."""
     if argv[:1] == ["header"] and len(argv) >= 3:
         header(argv[1], argv[2], argv[3:])
+        return 0
+    if argv[:1] == ["summary"] and len(argv) >= 3:
+        print(summary(argv[1], argv[2], *(argv[3:4]), *(int(x) for x in argv[4:5])))
         return 0
     if argv[:1] == ["row"] and len(argv) >= 5:
         out, stage, item, result, *rest = argv[1:]
         value, unit, detail = (rest + ["", "", ""])[:3]
-        Recorder(out, stage).row(item, result, float(value) if value else None, unit, detail=detail)
+        Recorder(out, stage).row(item, result, float(value) if value else None, unit, detail=detail, quiet=True)
         return 0
     print(main.__doc__, file=sys.stderr)
     return 2

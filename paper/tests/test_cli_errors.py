@@ -56,7 +56,8 @@ def _error(capsys, command):
 
 def test_missing_python_doc_names_the_package_and_the_offline_way(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("POSLSH_PYTHON_DOC_ROOT", str(tmp_path / "empty"))
-    assert main(["train", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert main(["train", "--data.corpora", "python-doc", "--runs-dir", str(tmp_path / "runs"),
+                 "--cache-dir", str(tmp_path / "c")]) == 2
     line = _error(capsys, "train")
     assert "python3.11-doc" in line and "apt-get install python3.11-doc" in line
     assert "--data.corpora synthetic" in line

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -45,7 +45,8 @@ from poslsh_paper.analysis.records import sampler_draws
 from poslsh_paper.experiments import frontier_methods as fm
 from poslsh_paper.experiments.command import ConfigError
 from poslsh_paper.experiments.frontier_config import PRESETS, VERSION, FrontierConfig  # noqa: F401  (re-exported)
-from poslsh_paper.experiments.model_inputs import check_prerequisites, input_segments, load_model, reference_note
+from poslsh_paper.experiments.model_inputs import (InputsNotAvailable, input_segments, load_model,
+                                                   missing_prerequisites, reference_note)
 from poslsh_paper.experiments.serialize import config_to_dict
 from poslsh_paper.io import atomic_write_text
 
@@ -171,12 +172,26 @@ def run(cfg: FrontierConfig, *, log: Callable[[str], None] = lambda msg: None) -
             if cfg.only_timing:
                 report["timing"] = frontier_timing.time_methods(report, cfg.timing_rounds, log)
             return FrontierResult(report)
-        if any(cfg.real_inputs):
-            check_prerequisites(cfg)
+        cfg = _without_missing_inputs(cfg, log)
         report = _run(cfg, log)
         if cfg.timing:
             report["timing"] = frontier_timing.time_methods(report, cfg.timing_rounds, log)
         return FrontierResult(report)
+
+
+def _without_missing_inputs(cfg: FrontierConfig, log) -> FrontierConfig:
+    """``cfg`` when its real-text inputs can run here (or it has none); without them when SmolLM2 or
+    the corpus is missing and ``--if-missing random`` (one line says so); else one line naming what
+    to install and every way to run without it (:class:`InputsNotAvailable`)."""
+    missing = missing_prerequisites(cfg) if any(cfg.real_inputs) else []
+    if not missing:
+        return cfg
+    if cfg.if_missing == "random" and cfg.random_logit_std and any(cfg.random_inputs):
+        log(f"frontier: no real-text inputs on this machine ({'; '.join(missing)}): measuring random Q/K/V only "
+            "(--real-inputs 0); --if-missing stop refuses instead")
+        return replace(cfg, real_inputs=(0,))
+    raise InputsNotAvailable("; ".join(missing) + "; or measure random Q/K/V only, with neither model nor corpus: "
+                             "--real-inputs 0")
 
 
 def _run(cfg: FrontierConfig, log) -> dict:

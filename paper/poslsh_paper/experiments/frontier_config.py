@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple
 
 from poslsh_paper.experiments.command import Command, ConfigError
 from poslsh_paper.experiments.model_inputs import ModelInputs, check_out_dir, check_samplers
@@ -21,6 +21,9 @@ class FrontierConfig(ModelInputs):
     heads: Optional[Tuple[int, ...]] = None             # query heads (None: all of the model's)
     lengths: Tuple[int, ...] = (1024, 4096, 16384)      # sequence lengths n
     real_inputs: Tuple[int, ...] = (4, 2, 1)            # text segments per length (0: none), each x --layers
+    # SmolLM2 or the corpus not installed: stop, naming what to install (stop), or measure without the
+    # real-text inputs and say so in one line (random: the quick preset, so that it runs on any machine)
+    if_missing: Literal["stop", "random"] = "stop"
     random_logit_std: Tuple[float, ...] = (1.0, 2.0)    # Gaussian Q/K/V with these logit stds (empty: none)
     random_inputs: Tuple[int, ...] = (2, 1, 1)          # random inputs per length and std
     random_geometry: Tuple[int, int, int] = (9, 3, 64)  # (Hq, Hkv, d) of random inputs without a model
@@ -78,11 +81,12 @@ PRESETS: Dict[str, FrontierConfig] = {
     "default": FrontierConfig(),
     "quick": FrontierConfig(lengths=(256,), real_inputs=(1,), random_logit_std=(2.0,), random_inputs=(1,), draws=(2,),
                             samples=(1, 5, 20), window_c=(1.0, 4.0), hybrid_shares=(0.5,), timing_rounds=1,
-                            out="outputs/frontier/quick"),
+                            if_missing="random", out="outputs/frontier/quick"),
 }
 
 PRESET_HELP = {"default": "SmolLM2 Q/K/V of real text and random Q/K/V, n = 1k/4k/16k -> outputs/frontier",
-               "quick": "one short input per source, n = 256 (seconds) -> outputs/frontier/quick"}
+               "quick": "one short input per source, n = 256 (seconds; random Q/K/V only where SmolLM2 or the corpus "
+                        "is not installed) -> outputs/frontier/quick"}
 
 COMMANDS = [Command(name="frontier", help="positional LSH vs exact ALiBi cut at a per-head window at equal cost and time",
                     config=FrontierConfig, presets=PRESETS, default_preset="default",

@@ -93,9 +93,11 @@ def comparison(report: dict, rows: List[dict]) -> List[dict]:
             for m in ("mae", "relf", "max"):
                 rec[f"{base}_{m}"], rec[f"window_{m}"] = a[m], w[m]
                 rec[f"{base}_over_window_{m}"] = _ratio(a, w, m)
-            for sampler in cfg["samplers"][1:]:
+            for sampler in cfg["samplers"][1:]:      # each against the window of its own cost
                 g, wg = get(f"{sampler} s={s}"), get(f"window@{sampler} s={s}")
+                rec[f"{sampler}_keys"] = g["keys"] if g else None
                 rec[f"{sampler}_mae"] = g["mae"] if g else None
+                rec[f"window@{sampler}_mae"] = wg["mae"] if wg else None
                 rec[f"{sampler}_over_window_mae"] = _ratio(g, wg, "mae")
             rec["hybrid"] = best["label"] if best else None
             rec["hybrid_mae"] = best["mae"] if best else None
@@ -170,16 +172,21 @@ def markdown(report: dict, rows: List[dict]) -> str:
              f"of the keys with nonzero weight. Machine: {mach['cpus']} CPUs, {mach['threads']} torch thread(s), "
              f"load average {mach['load_start'][0]:.1f} -> {mach['load_end'][0]:.1f} "
              f"{during} ({mach['seconds'] / 60:.1f} min).", "",
-             "## Equal cost (mean absolute error; ratios > 1: the window is more accurate)", ""]
+             "## Equal cost (mean absolute error; ratios > 1: the window is more accurate)", "",
+             f"`window` is the per-head window with {base}'s keys per query (`keys/query`) and `hybrid` an exact "
+             f"band + sampled tail of the same keys; " + "".join(
+                 f"`window@{x}` has {x}'s own keys per query (`keys {x}`), so `{x}/window@{x}` is `MAE {x}` / "
+                 f"`MAE window@{x}`; " for x in other) + f"`relF` and `max` compare {base} and `window` by their relative "
+                 "Frobenius and largest errors.", ""]
     comp = comparison(report, rows)
-    head = ["source", "n", "s", "keys/query", f"MAE {base}"] + [f"MAE {x}" for x in other] + \
-        ["MAE window", "MAE hybrid", f"{base}/window"] + [f"{x}/window" for x in other] + \
-        [f"relF {base}/window", f"max {base}/window", "hybrid/window"]
-    body = [[r["source"], r["n"], r["s"], _f(r["keys"], ".0f"), _f(r[f"{base}_mae"])] +
-            [_f(r[f"{x}_mae"]) for x in other] + [_f(r["window_mae"]), _f(r["hybrid_mae"]),
-                                                 _x(r[f"{base}_over_window_mae"])] +
-            [_x(r[f"{x}_over_window_mae"]) for x in other] +
-            [_x(r[f"{base}_over_window_relf"]), _x(r[f"{base}_over_window_max"]), _x(r["hybrid_over_window_mae"])]
+    head = ["source", "n", "s", "keys/query", f"MAE {base}", "MAE window", "MAE hybrid", f"{base}/window",
+            f"relF {base}/window", f"max {base}/window", "hybrid/window"] + \
+        [c for x in other for c in (f"keys {x}", f"MAE {x}", f"MAE window@{x}", f"{x}/window@{x}")]
+    body = [[r["source"], r["n"], r["s"], _f(r["keys"], ".0f"), _f(r[f"{base}_mae"]), _f(r["window_mae"]),
+             _f(r["hybrid_mae"]), _x(r[f"{base}_over_window_mae"]), _x(r[f"{base}_over_window_relf"]),
+             _x(r[f"{base}_over_window_max"]), _x(r["hybrid_over_window_mae"])] +
+            [c for x in other for c in (_f(r[f"{x}_keys"], ".0f"), _f(r[f"{x}_mae"]), _f(r[f"window@{x}_mae"]),
+                                        _x(r[f"{x}_over_window_mae"]))]
             for r in comp]
     lines += [markdown_table(head, body), "", "## CPU time (torch backend, float32, all heads, seconds)", ""]
     timing = report.get("timing")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -175,14 +176,8 @@ def cache_summary(cache) -> str:
 
     if isinstance(cache, PoslshCache) and cache.stats()[0].get("kept_per_head") is not None:
         st = cache.stats()
-        line = (f"per-head window cache: {st[0]['tokens']} tokens seen, rows per KV head {st[0]['kept_per_head']} "
+        return (f"per-head window cache: {st[0]['tokens']} tokens seen, rows per KV head {st[0]['kept_per_head']} "
                 f"(layer 0; its own window + 1), {cache.nbytes() / 2**20:.2f} MiB")
-        certs = [s["certificate"] for s in st if "certificate" in s]
-        if certs:
-            line += (f"; certificate: worst bound on the dropped mass {max(c['worst'] for c in certs):.2e}, "
-                     f"{sum(sum(c['exceeded']) for c in certs)} head-steps over tol, "
-                     f"{sum(sum(c['widened']) for c in certs)} widenings")
-        return line
     if isinstance(cache, PoslshCache):
         st = cache.stats()
         kept, bound = max(s["kept"] for s in st), max(s["bound"] or 0 for s in st)
@@ -194,6 +189,35 @@ def cache_summary(cache) -> str:
     n = cache.get_seq_length()
     size = sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values) if t is not None)
     return f"full cache: {n} keys per layer, {size / 2**20:.2f} MiB"
+
+
+def certificate_summary(cfg: GenerateConfig, cache) -> Optional[str]:
+    """With ``--tol``: one line on what the certificate found, in this command's words (the library's
+    per-head warnings are held back during generation, so the streamed text stays clean); else None."""
+    from poslsh.integrations.hf_cache import PoslshCache
+
+    if not cfg.tol or not isinstance(cache, PoslshCache):
+        return None
+    certs = [(s["layer"], s["certificate"]) for s in cache.stats() if "certificate" in s]
+    if not certs:
+        return None
+    worst = max(c["worst"] for _, c in certs)
+    steps = sum(c["steps"] * len(c["exceeded"]) for _, c in certs)
+    over = sum(sum(c["exceeded"]) for _, c in certs)
+    widened = sum(sum(c["widened"]) for _, c in certs)
+    line = (f"certificate (--tol {cfg.tol:g}, --policy {cfg.policy}): worst bound on the dropped softmax mass "
+            f"{worst:.2e}; ")
+    grown = f", after {widened} widening{'s' if widened != 1 else ''}" if widened else ""
+    if not over:
+        return line + f"every step of every head stayed within tol ({steps} head-steps{grown})"
+    where = "; ".join(f"layer {layer} head{'s' if sum(x > 0 for x in c['exceeded']) > 1 else ''} "
+                      f"{', '.join(str(h) for h, x in enumerate(c['exceeded']) if x)}"
+                      for layer, c in certs if any(c["exceeded"]))
+    advice = {"warn": "--policy widen keeps more keys where the bound passes tol, --policy raise stops there",
+              "widen": "a head widens only after a step over tol, and never past its cap: loosen --tol, or use a "
+                       "model with wider windows"}.get(cfg.policy, "")
+    return line + (f"{over} of {steps} head-steps over tol{grown} ({where}): the text above is not certified at "
+                   f"those steps; {advice}")
 
 
 def generate(cfg: GenerateConfig, model, tok) -> dict:
@@ -224,15 +248,32 @@ def generate(cfg: GenerateConfig, model, tok) -> dict:
     torch.manual_seed(cfg.seed)
     streamer = _TimedStreamer(tok)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        res = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=streamer,
-                             **extra)
+    from poslsh.decoding.certificate import CertificateWarning
+
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CertificateWarning)   # counted in the cache's stats, said at the end
+        try:
+            res = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                                 streamer=streamer, **extra)
+        except ValueError as e:
+            stopped = cfg.tol and cfg.policy == "raise" and any(
+                any(s["certificate"]["exceeded"]) for s in extra["cache"].stats() if "certificate" in s)
+            if not stopped:
+                raise
+            print(file=sys.stderr)
+            raise ConfigError(f"certificate (--tol {cfg.tol:g}, --policy raise) stopped the generation: "
+                              f"{str(e).split(': take')[0]}; --policy widen keeps more keys, --policy warn goes on "
+                              "and says where tol was passed, or loosen --tol") from None
+    for w in caught:           # any other warning is shown as Python would have shown it
+        if not issubclass(w.category, CertificateWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     t1 = time.perf_counter()
     new = res.sequences.shape[1] - ids.shape[1]
     first = streamer.first or t1
     return {"prompt_tokens": ids.shape[1], "new_tokens": new, "prefill_s": first - t0,
             "decode_tokens_per_s": (new - 1) / (t1 - first) if new > 1 and t1 > first else float("nan"),
-            "cache": cache_summary(getattr(res, "cache", None)), "sequences": res.sequences}
+            "cache": cache_summary(getattr(res, "cache", None)),
+            "certificate": certificate_summary(cfg, getattr(res, "cache", None)), "sequences": res.sequences}
 
 
 def main(cfg: GenerateConfig) -> int:
@@ -245,6 +286,8 @@ def main(cfg: GenerateConfig) -> int:
     st = generate(cfg, model, tok)
     print(f"\n[{what}] prompt {st['prompt_tokens']} tokens, prefill {st['prefill_s']:.2f} s; {st['new_tokens']} new "
           f"tokens at {st['decode_tokens_per_s']:.1f} tokens/s; {st['cache']}", file=sys.stderr)
+    if st["certificate"]:
+        print(st["certificate"], file=sys.stderr)
     return 0
 
 

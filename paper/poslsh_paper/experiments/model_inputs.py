@@ -72,7 +72,7 @@ def corpus_hint(names: Sequence[str]) -> str:
     envs = " / ".join(CORPORA[c].env for c in names)
     word = "package" if len(pkgs) == 1 else "packages"
     return (f"install the Debian {word} {' and '.join(pkgs)} (apt-get install {' '.join(pkgs)}, as root), "
-            f"point {envs} at a copy, or use --inputs-from random")
+            f"point {envs} at a copy, or use --inputs-from random (random token ids through the model)")
 
 
 def missing_prerequisites(cfg: ModelInputs) -> List[str]:

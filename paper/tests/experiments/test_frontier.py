@@ -178,6 +178,53 @@ def test_cli_end_to_end_resume_and_only_timing(tmp_path, capsys, tiny_model_dir)
     assert "Equal cost" in capsys.readouterr().out
 
 
+def _check_ratio_columns(md: str) -> None:
+    """Every `a/b` column of the equal-cost table is the ratio of the MAE columns it names (the grouped
+    ratio once divided by a window that was not in the table: the one of grouped's own cost)."""
+    table = [line.strip("| ").split(" | ") for line in md.split("## Equal cost")[1].split("##")[0].splitlines()
+             if line.startswith("| ")]
+    head, rows = table[0], table[2:]
+    ratios = [c for c in head if c.count("/") == 1 and all(f"MAE {x}" in head for x in c.split("/"))]
+    assert rows and {"grouped/window@grouped", "iid/window", "hybrid/window"} <= set(ratios), head
+    for row in rows:
+        cell = dict(zip(head, row))
+        for c in ratios:
+            a, b = c.split("/")
+            assert float(cell[c].rstrip("x")) == pytest.approx(float(cell[f"MAE {a}"]) / float(cell[f"MAE {b}"]),
+                                                               rel=0.02), (c, cell)
+
+
+@pytest.fixture
+def nothing_installed(tmp_path, monkeypatch):
+    """A fresh machine: no SmolLM2 (no cache, no package) and no corpus, whatever this one has."""
+    import poslsh_paper.models.smollm2 as smollm2
+    monkeypatch.setenv("POSLSH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(smollm2, "_package_dir", lambda: None)
+    for env in ("POSLSH_LINUX_DOC_ROOT", "POSLSH_PYTHON_DOC_ROOT"):
+        monkeypatch.setenv(env, str(tmp_path / "no-corpus"))
+    monkeypatch.setattr(job, "load_model", lambda cfg: pytest.fail("a model was loaded on a machine without one"))
+
+
+def test_quick_runs_on_a_fresh_machine_and_says_what_it_left_out(tmp_path, capsys, nothing_installed):
+    """`poslsh frontier --quick` (the documented smoke run) measures random Q/K/V where neither
+    SmolLM2 nor the corpus is installed, and says so in one line; the default preset stops in one
+    line whose every way out works: here the one that needs nothing, --real-inputs 0."""
+    out = tmp_path / "quick"
+    assert main(["frontier", "--quick", "--out", str(out), "--no-timing", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    said = [line for line in printed.splitlines() if "no real-text inputs" in line]
+    assert len(said) == 1 and "random Q/K/V only" in said[0] and "no model" in said[0], printed
+    rep = json.loads((out / "frontier.json").read_text())
+    assert {r["source"] for r in rep["heads"]} == {"random std 2"} and rep["config"]["real_inputs"] == [0]
+    _check_ratio_columns((out / "frontier.md").read_text())
+    assert main(["frontier", "--quick", "--if-missing", "stop", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no model" in err[0] and "--real-inputs 0" in err[0], err
+    assert "--inputs-from random (random token ids through the model)" in err[0]
+    assert main(["frontier", "--quick", "--if-missing", "stop", "--real-inputs", "0", "--out", str(tmp_path / "r"),
+                 "--no-timing", "--no-plot"]) == 0
+
+
 def test_config_errors_are_one_line(tmp_path, capsys):
     assert main(["frontier", "--quick", "--lengths", "1", "--out", str(tmp_path / "o")]) == 2
     assert main(["frontier", "--quick", "--only-timing", "--out", str(tmp_path / "none")]) == 2
@@ -188,6 +235,7 @@ def test_config_errors_are_one_line(tmp_path, capsys):
 def test_presets():
     quick, full = job.PRESETS["quick"], job.PRESETS["default"]
     assert quick.lengths == (256,) and full.lengths == (1024, 4096, 16384)
+    assert quick.if_missing == "random" and full.if_missing == "stop"      # only the smoke run does without
     assert full.unit_fingerprint(1024, 6) == job.FrontierConfig(out="x", real_inputs=(1,)).unit_fingerprint(1024, 6)
     assert full.unit_fingerprint(1024, 6) != full.unit_fingerprint(1024, 5)
 

@@ -1,6 +1,7 @@
 """``poslsh generate``: from a training run and from a saved model directory, streamed, with
 the bounded cache; greedy output equals generation without a cache."""
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from poslsh.decoding.certificate import CertificateWarning  # noqa: E402
 from poslsh_paper.cli import main as poslsh_main  # noqa: E402
 from poslsh_paper.experiments.generate import GenerateConfig, generate, load_for_generation  # noqa: E402
 from poslsh_paper.experiments.lm.config import run_dir  # noqa: E402
@@ -66,7 +68,20 @@ def test_generate_with_per_head_windows_and_a_certificate(tmp_path_factory, run,
             "--max-new-tokens", "10", "--ignore-eos", "--tol", "0.5", "--policy", "warn", "--sinks", "1"]
     assert poslsh_main(args) == 0
     err = capsys.readouterr().err
-    assert "per-head window cache" in err and "certificate: worst bound" in err
+    assert "per-head window cache" in err and "certificate (--tol 0.5, --policy warn): worst bound" in err
+    # a tol the windows cannot keep: the text stays clean (no Python warning, no source path in it), the
+    # certificate is one line on stderr in the command's words; --policy raise is a one-line error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert poslsh_main(args[:-6] + ["--tol", "1e-9"]) == 0
+    out, err = capsys.readouterr()
+    assert not [w for w in caught if issubclass(w.category, CertificateWarning)]
+    assert ".py:" not in out + err and "Warning" not in out + err
+    said = [line for line in err.splitlines() if line.startswith("certificate")]
+    assert len(said) == 1 and "head-steps over tol" in said[0] and "not certified" in said[0], err
+    assert poslsh_main(args[:-6] + ["--tol", "1e-9", "--policy", "raise"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--policy raise) stopped the generation" in err[0], err
     gcfg = GenerateConfig(checkpoint=str(run_dir(cfg)), prompt="The kernel driver module", max_new_tokens=10,
                           ignore_eos=True)
     model, tok, _ = load_for_generation(gcfg)

@@ -29,6 +29,9 @@ def test_cli_smoke_writes_table_and_figure(tmp_path, capsys):
     md = (tmp_path / "out" / "table.md").read_text()
     print(md)
     assert "Learned absolute positions" in md and "2-D PosLSH, s=2" in md and "Findings" in md
+    cpu = [line.rstrip(" |").rsplit("| ", 1)[1] for line in md.splitlines() if line.startswith(("| Learned", "| 2-D"))]
+    assert len(cpu) == 2 and all(float(x) > 0 for x in cpu), cpu        # a fast run's 0.4 s is not "0"
+    assert " of poslsh-s2" not in md and "poslsh-s2: " in md              # one method: its accuracy, no tally
     for name in ("table.csv", "table.json", "convergence.png", "convergence.json"):
         assert (tmp_path / "out" / name).is_file()
     table = json.loads((tmp_path / "out" / "table.json").read_text())
@@ -178,5 +181,7 @@ def test_findings_name_only_what_was_trained_and_one_seed_establishes_nothing():
         assert line.endswith(f"holds on its one seed, {ONE_SEED}.")
     three = findings(_rows(("learned", "poslsh-s2"), 3, accs))
     assert [line.endswith("): holds.") for line in three] == [True, True]
-    assert findings(_rows(("learned", "alibi-2d", "poslsh-s2"), 3, {**accs, "alibi-2d": (40.0, 30.0, 35.0)}))[0] \
-        .startswith("2-D ALiBi and 2-D PosLSH extrapolate")
+    assert "; learned, resized bicubically: 12.50%; poslsh-s2: 14.80%)" in one[0]
+    two = findings(_rows(("learned", "alibi-2d", "poslsh-s2"), 3, {**accs, "alibi-2d": (40.0, 10.0, 35.0)}))
+    assert two[0].startswith("2-D ALiBi and 2-D PosLSH extrapolate")
+    assert "alibi-2d: 10.00%, poslsh-s2: 14.80%; better: poslsh-s2 (1 of 2)" in two[0], two[0]

@@ -84,9 +84,11 @@ def findings(rows: List[dict]) -> List[str]:
             better = [m for m in cands if _acc(rows, m, key) > learned]
             verb = "extrapolates" if len(cands) == 1 else "extrapolate"
             compared = [("learned", scale)] + [(m, key) for m in cands]
+            theirs = ", ".join(f"{m}: {_acc(rows, m, key):.2f}%" for m in cands)
+            tally = f"; better: {', '.join(better) or 'none'} ({len(better)} of {len(cands)})" if len(cands) > 1 else ""
             out.append(f"{_names(cands)} {verb} to {scale} resolution better than learned positions ({how}; "
-                       f"learned, resized bicubically: {learned:.2f}%; better: {', '.join(better) or 'none'} of "
-                       f"{', '.join(cands)}): {_verdict(len(better) == len(cands), rows, compared)}.")
+                       f"learned, resized bicubically: {learned:.2f}%; {theirs}{tally}): "
+                       f"{_verdict(len(better) == len(cands), rows, compared)}.")
         for key in (scale, scale + "-scaled"):
             a1, a2 = _acc(rows, "alibi-1d", key), _acc(rows, "alibi-2d", key)
             if a1 is not None and a2 is not None:

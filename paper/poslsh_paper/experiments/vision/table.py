@@ -81,6 +81,15 @@ def aggregate(results: List[dict], methods: Sequence[str]) -> List[dict]:
     return rows
 
 
+def _seconds(x: float) -> str:
+    """Seconds as read in a table: two significant digits below 10 s (a smoke run's 0.4 s is not 0)."""
+    return f"{x:.2g}" if x < 10 else f"{x:.0f}"
+
+
+def _wall(x: float) -> str:
+    return f"{_seconds(x)} s" if x < 120 else f"{x / 60:.1f} min"
+
+
 def render_markdown(rows: List[dict], meta: dict) -> str:
     scales = sorted({r["scale"] for r in rows}, key=scale_order)
     header = ["Method", "Seeds"]
@@ -96,7 +105,7 @@ def render_markdown(rows: List[dict], meta: dict) -> str:
         first = next(iter(mine.values()))
         body.append([first["label"], first["seeds"]] +
                     [f"{mine[s]['acc_mean']:.2f} ± {mine[s]['acc_std']:.2f}" if s in mine else "—" for s in scales] +
-                    [f"{first['train_cpu_s_mean']:.0f}"])
+                    [_seconds(first["train_cpu_s_mean"])])
     lines = [f"# Vision table: positional methods on {meta['data']}", "",
              f"Command: `{meta['command']}`", "", meta["setup"], "", markdown_table(header, body), "",
              "Findings, checked against the numbers:", ""]
@@ -123,8 +132,8 @@ def write_table(cfg: VisionConfig, out: Path, command: str, extra: Optional[Dict
              f"with fixed boxes per layer (seed {cfg.eval_seed}). Mean ± sample std over seeds; "
              f"torch {torch.__version__}.")
     cpu = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in results)
-    setup += (f" CPU time of the {len(results)} runs (training + evaluation, one thread each): {cpu:.0f} s, i.e. "
-              f"{cpu / 120:.1f} min of wall time on 2 quiet cores with --jobs 2.")
+    setup += (f" CPU time of the {len(results)} run{'s' if len(results) != 1 else ''} (training + evaluation, one "
+              f"thread each): {_seconds(cpu)} s, i.e. {_wall(cpu / 2)} of wall time on 2 quiet cores with --jobs 2.")
     meta = {"command": command, "data": first.get("data", cfg.dataset), "setup": setup, "findings": findings(rows),
             "cpu_s_all_runs": round(cpu, 1),
             "missing": missing, **(extra or {})}

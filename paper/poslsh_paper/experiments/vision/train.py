@@ -158,9 +158,9 @@ def _train(cfg: VisionConfig, method: str, seed: int, splits: Dict[str, ImageSet
     t0, c0 = time.perf_counter(), time.process_time()
     evals = evaluate(model, splits["test"], cfg)
     result = {"method": method, "seed": seed, "steps": total, "train_images": len(splits["train"]),
-              "test_images": len(splits["test"]), "train_time_s": round(state["elapsed_s"], 1),
-              "train_cpu_s": round(state["cpu_s"], 1), "eval_time_s": round(time.perf_counter() - t0, 1),
-              "eval_cpu_s": round(time.process_time() - c0, 1), "threads": torch.get_num_threads(),
+              "test_images": len(splits["test"]), "train_time_s": round(state["elapsed_s"], 3),
+              "train_cpu_s": round(state["cpu_s"], 3), "eval_time_s": round(time.perf_counter() - t0, 3),
+              "eval_cpu_s": round(time.process_time() - c0, 3), "threads": torch.get_num_threads(),
               "final_train_loss": state["history"][-1][1] if state["history"] else None,
               "eval": evals, "history": state["history"], "data": splits["train"].source,
               "config": config_to_dict(cfg)}
