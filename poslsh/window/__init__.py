@@ -10,7 +10,7 @@ library's recommendation for approximating ALiBi at long context. Everything abo
 * :mod:`.op`: :func:`windowed_alibi_attention` (every backend: torch, Triton, flex, reference);
   its module, :class:`poslsh.AlibiAttention`, is in :mod:`poslsh.modules`.
 
-The backends' window kernels live with the backends (``ops/torch_plan.window_row_bounds``, the
+The backends' window kernels live with the backends (``ops/torch/plan.window_row_bounds``, the
 tiles' Toeplitz bias, ``ops/triton/_window.py``, ``ops/flex.py``); the dense oracle is
 :func:`poslsh.alibi_attention` with ``window=``.
 """

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.ops import torch_grid, torch_impl
+from poslsh.ops.torch import grid as torch_grid, ops as torch_ops
 
 from inputs import assert_compiles_like_eager
 
@@ -120,8 +120,8 @@ def test_custom_ops_fake_kernels_match_real_ones_on_transposed_inputs(op, name):
         a, b_ = (poslsh.sample_partitions(poslsh.alibi_sigmas(HQ), 3, seed=0).widths,
                  poslsh.sample_partitions(poslsh.alibi_sigmas(HQ), 3, seed=0).offsets) if op == "sequence" else \
             (SLOPES, WINDOWS)
-        fwd, bwd = ((torch_impl.torch_attention_fwd, torch_impl.torch_attention_bwd) if op == "sequence" else
-                    (torch_impl.torch_window_fwd, torch_impl.torch_window_bwd))
+        fwd, bwd = ((torch_ops.torch_attention_fwd, torch_ops.torch_attention_bwd) if op == "sequence" else
+                    (torch_ops.torch_window_fwd, torch_ops.torch_window_bwd))
     if name == "fwd":
         args = (q, k, v, *extra) if op == "grid" else (q, k, v, a, b_, None, None, True, 0.3, True, [0, 0, 40])
         torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.ops import torch_impl, torch_tiles
-from poslsh.ops.torch_plan import Span
+from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
+from poslsh.ops.torch.plan import Span
 
 from inputs import LargestTensor, make_qkv
 
@@ -83,7 +83,7 @@ def test_few_queries_path_equals_the_tiled_path(causal, monkeypatch):
                                                q_start=p, seq_len=n, backend="torch", return_lse=True)
 
     few = call()
-    monkeypatch.setattr(torch_impl, "FEW_QUERIES", 0)
+    monkeypatch.setattr(torch_ops, "FEW_QUERIES", 0)
     assert _max_err(few, call()) < 1e-13
 
 
@@ -111,14 +111,14 @@ def test_cost_is_linear_in_n_times_the_window():
     window = torch.tensor([0, 8, 64, 200])
     span = Span.self_attention(n)
     for causal in (False, True):
-        plan = torch_impl.make_plan("window", SLOPES[:4], window, span, None, causal, "cpu")
+        plan = torch_ops.make_plan("window", SLOPES[:4], window, span, None, causal, "cpu")
         scores = torch_tiles.score_elements(plan.groups)
         tiles = torch_tiles.choose_tiles((2 * window + 1)[:, None], n)
         per_head = n * ((1 if causal else 2) * window + 1 + tiles) * 1.25 + n
         print(f"causal={causal}: {scores} scores, bound {int(per_head.sum())}, n^2 H = {n * n * H}")
         assert scores <= per_head.sum() and scores < n * n * H / 8
 
-    import poslsh.ops.torch_tiles as tt
+    import poslsh.ops.torch.tiles as tt
     q, k, v = make_qkv(1, H, 2, n, 8, dtype=torch.float32)
     saved = tt.CHUNK_ELEMENTS
     tt.CHUNK_ELEMENTS = 1 << 16
@@ -147,11 +147,11 @@ def test_registered_features():
 def test_threads_share_the_chunks(causal, monkeypatch):
     """With 3 threads the band kernels' chunks run concurrently (key gradients added under locks):
     the same result as one thread and as the oracle; small chunks so that many run at once."""
-    from poslsh.ops import torch_band
+    from poslsh.ops.torch import band as torch_band
     from poslsh.threads import intra_op_threads
 
     monkeypatch.setattr(torch_band, "CHUNK_ELEMENTS", 1 << 10)
-    monkeypatch.setattr(torch_impl, "SINGLE_THREAD_WHEN_BUSY", False)      # the machine's load must not matter
+    monkeypatch.setattr(torch_ops, "SINGLE_THREAD_WHEN_BUSY", False)      # the machine's load must not matter
     threads = set()
     run_items = torch_band.run_items
 
@@ -199,7 +199,7 @@ def test_transposed_views_give_the_contiguous_result(causal):
 def test_every_tile_size_equals_the_oracle(tile, causal, monkeypatch):
     """The band kernels with every tile height the rules can choose (forward and backward), windows
     from 0 to past the sequence: out, lse and gradients equal the dense float64 oracle."""
-    from poslsh.ops import torch_band
+    from poslsh.ops.torch import band as torch_band
 
     monkeypatch.setattr(torch_band, "FORWARD_TILES", ((float("inf"), tile),))
     monkeypatch.setattr(torch_band, "BACKWARD_TILES", ((float("inf"), tile),))
