@@ -26,7 +26,6 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._compat import renamed_keywords, takes_slopes_too
 from .positional import Positional
 from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
                        draw, group_count, make_generator)
@@ -362,17 +361,14 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
     return start.to(torch.int64), end.to(torch.int64)
 
 
-
-@renamed_keywords(method="sampler")
-@takes_slopes_too
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
                       seed: Optional[int] = None, sampler: str = "iid", group_size: Union[int, str, None] = None,
                       widths: Optional[WidthDistribution] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
-        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``; or by keyword
-            ``slopes=`` ``[H]`` (exactly one of the two). A number is one head.
+        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0`` (from ALiBi
+            slopes: ``1 / slopes``, or :func:`poslsh.alibi_sigmas`). A number is one head.
         num_samples: ``s >= 1`` partitions per head.
         generator: a CPU ``torch.Generator`` to draw from (exclusive with ``seed``).
         seed: an int seed (exclusive with ``generator``). With neither, the global

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..alibi import alibi_sigmas, alibi_slopes
 from ..window.kind import AlibiWindow, make_window, windows_in_sigmas
-from ..window.cost import cost_matched_window
+from ..cost import cost_matched_window
 from ..partitions import check_sampler
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "NO_ROTATION", "PositionalConfig", "positional_config",
@@ -61,7 +61,7 @@ class PositionalConfig:
     backend: str = "auto"        # backend of poslsh_attention / windowed_alibi_attention
     rope_removed: bool = False   # set by apply_positional_scheme on a model
     # alibi-window, exactly one of: w_h = ceil(window_sigmas * sigma_h), or the window whose keys per
-    # query equal positional LSH's at window_cost_samples i.i.d. samples (poslsh.window.cost_matched_window)
+    # query equal positional LSH's at window_cost_samples i.i.d. samples (poslsh.cost.cost_matched_window)
     window_sigmas: Optional[float] = None
     window_cost_samples: Optional[int] = None
 

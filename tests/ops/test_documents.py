@@ -8,6 +8,7 @@ import poslsh
 from poslsh.documents import make_documents
 from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
 from poslsh.ops.torch.plan import Layout, Span
+from poslsh.reference import alibi_attention_reference
 
 from inputs import make_qkv
 
@@ -29,7 +30,7 @@ def _op(name):
                 lambda q, k, v, **kw: poslsh.poslsh_attention_reference(q, k, v, PARTS, **kw))
     return (lambda q, k, v, **kw: poslsh.windowed_alibi_attention(q, k, v, SLOPES, window=WINDOWS, backend="torch",
                                                                    **kw),
-            lambda q, k, v, **kw: poslsh.alibi_attention(q, k, v, SLOPES, window=WINDOWS, **kw))
+            lambda q, k, v, **kw: alibi_attention_reference(q, k, v, SLOPES, window=WINDOWS, **kw))
 
 
 def _max_err(xs, ys):

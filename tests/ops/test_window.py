@@ -1,5 +1,5 @@
 """windowed_alibi_attention on the torch backend against the dense float64 windowed ALiBi oracle
-(poslsh.alibi_attention(window=...)): forward and gradients, GQA, causal and not, queries and keys
+(alibi_attention_reference(window=...)): forward and gradients, GQA, causal and not, queries and keys
 at given positions, per-head windows from 0 to past the sequence, and an O(n w) cost."""
 import threading
 
@@ -9,6 +9,7 @@ import torch
 import poslsh
 from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
 from poslsh.ops.torch.plan import Span
+from poslsh.reference import alibi_attention_reference
 
 from inputs import LargestTensor, make_qkv
 
@@ -32,7 +33,7 @@ def test_equals_dense_windowed_alibi(B, Hq, Hkv, n, causal):
     results = []
     for fn in (lambda: poslsh.windowed_alibi_attention(q, k, v, SLOPES, window=_windows(n), causal=causal,
                                                         backend="torch", return_lse=True),
-               lambda: poslsh.alibi_attention(q, k, v, SLOPES, window=_windows(n), causal=causal, return_lse=True)):
+               lambda: alibi_attention_reference(q, k, v, SLOPES, window=_windows(n), causal=causal, return_lse=True)):
         out, lse = fn()
         results.append([out, lse, *torch.autograd.grad((out * w).sum(), (q, k, v))])
     err = _max_err(*results)
@@ -45,7 +46,7 @@ def test_window_zero_is_the_value_and_past_n_is_exact_alibi():
     alone = poslsh.windowed_alibi_attention(q, k, v, SLOPES[:4], window=0, backend="torch")
     assert torch.equal(alone, v)                                       # a query sees itself only
     wide = poslsh.windowed_alibi_attention(q, k, v, SLOPES[:4], window=10 ** 18, causal=True, backend="torch")
-    assert _max_err([wide], [poslsh.alibi_attention(q, k, v, SLOPES[:4], causal=True)]) < 1e-12
+    assert _max_err([wide], [alibi_attention_reference(q, k, v, SLOPES[:4], causal=True)]) < 1e-12
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -57,7 +58,7 @@ def test_rows_at_given_positions_equal_full_attention(n, p, nq, causal):
     q, k, v = make_qkv(2, 8, 2, n, 8, seed=p, requires_grad=True)
     lo = max(0, p - int(window.max()))
     hi = p + nq if causal else min(n, p + nq + int(window.max()))
-    full = poslsh.alibi_attention(q, k, v, SLOPES, window=window, causal=causal)[:, :, p:p + nq]
+    full = alibi_attention_reference(q, k, v, SLOPES, window=window, causal=causal)[:, :, p:p + nq]
     out = poslsh.windowed_alibi_attention(q[:, :, p:p + nq], k[:, :, lo:hi], v[:, :, lo:hi], SLOPES, window=window,
                                           causal=causal, q_start=p, k_start=lo, seq_len=n, backend="torch")
     g = torch.randn_like(full)
@@ -100,7 +101,7 @@ def test_double_backward(causal):
         gq, = torch.autograd.grad(fn(q, k, v).square().sum(), (q,), create_graph=True)
         return torch.autograd.grad(gq.square().sum(), (k, v))
 
-    oracle = lambda q, k, v: poslsh.alibi_attention(q, k, v, slopes, window=window, causal=causal)  # noqa: E731
+    oracle = lambda q, k, v: alibi_attention_reference(q, k, v, slopes, window=window, causal=causal)  # noqa: E731
     assert _max_err(penalty_grad(fast), penalty_grad(oracle)) < 1e-10
 
 
@@ -171,7 +172,7 @@ def test_threads_share_the_chunks(causal, monkeypatch):
     one = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
     with intra_op_threads(3):
         three = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
-    want = run(poslsh.alibi_attention)
+    want = run(alibi_attention_reference)
     assert 3 in threads and len(threads - {1, 3}) > 1          # several threads ran chunks
     assert _max_err(three, one) < 1e-13 and _max_err(three, want) < 1e-10
 
@@ -207,7 +208,7 @@ def test_every_tile_size_equals_the_oracle(tile, causal, monkeypatch):
     window = torch.tensor([0, 3, 30, 64, 129, 200, 300, 999])
     g = torch.randn(2, 8, 301, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     results = []
-    for fn, kw in ((poslsh.windowed_alibi_attention, {"backend": "torch"}), (poslsh.alibi_attention, {})):
+    for fn, kw in ((poslsh.windowed_alibi_attention, {"backend": "torch"}), (alibi_attention_reference, {})):
         out, lse = fn(q, k, v, SLOPES, window=window, causal=causal, return_lse=True, **kw)
         results.append([out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))])
     assert _max_err(*results) < 1e-10

@@ -119,7 +119,7 @@ def test_full_context_scores_each_target_once(tmp_path):
 def test_patched_methods(tmp_path):
     """Exact patch_alibi gives the eager model's logits; the windows are the ones named."""
     from poslsh.integrations import hf
-    from poslsh.window import cost_matched_window
+    from poslsh.cost import cost_matched_window
 
     torch.manual_seed(0)
     eager = build_model(tiny(tmp_path), 300).eval()
