@@ -7,7 +7,10 @@ the Hugging Face integration, the vision model and :class:`PoslshAttention`:
   with the inputs, so gradient-checkpoint recomputation sees the same masks; without a step, the
   schedule counts its own training calls);
 * evaluation: fixed partitions per ``(eval_seed, layer)``, the same at every call;
-* both cached on the device of the last call (no per-call host-to-device copy, no re-validation).
+* both cached on the device of the last call (no per-call host-to-device copy, no re-validation);
+* under ``torch.compile`` the draw is one opaque custom op (``poslsh::schedule_draw``: host work on a
+  seed hash that dynamo cannot trace), so a compiled module is one graph; the step may be a symbolic
+  int (no recompilation per step), and a training call needs it (``step=``).
 
 Seeds come from :func:`poslsh.seeding.stable_seed` of
 ``(tag + "train", seed, step, layer, num_heads, num_samples)`` in training and
@@ -24,7 +27,7 @@ exact ALiBi, whole or cut at per-head windows. See ``docs/model.md``.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +37,7 @@ from .alibi import alibi_slopes, as_per_head
 from .attention import attend, poslsh_attention, poslsh_attention_nd
 from .partitions import Partitions, check_sampler, sample_partitions
 from .partitions_nd import PartitionsND, sample_partitions_nd
-from .sampling import check_sigma
+from .sampling import check_sigma, check_widths
 from .seeding import stable_seed
 from .window.kind import NO_WINDOW, AlibiWindow, make_window, windows_in_sigmas
 from .window.theory import smallest_window
@@ -96,7 +99,9 @@ class PartitionSchedule:
 
     def partitions(self, training: bool, step: Optional[int] = None, device=None) -> Union[Partitions, PartitionsND]:
         """The partitions to use now, on ``device`` (default CPU). In training without ``step`` the
-        schedule's own call count stands in for it."""
+        schedule's own call count stands in for it (not under ``torch.compile``: pass ``step``)."""
+        if torch.compiler.is_compiling():
+            return self._compiled(training, step, device)
         if training and step is None:
             self.auto_step += 1
             step = self.auto_step
@@ -114,9 +119,57 @@ class PartitionSchedule:
         self._cache[slot] = ((key, device), parts)
         return parts
 
+    def _compiled(self, training: bool, step, device) -> Union[Partitions, PartitionsND]:
+        """:meth:`partitions` inside a ``torch.compile`` graph: the same draw (the same seed, so the same
+        partitions) through :func:`schedule_draw`, uncached (a cache is state the graph cannot hold)."""
+        if training and step is None:
+            raise ValueError("step: under torch.compile a training PoslshAttention needs step= (the training step "
+                             "seeds its partitions; the module's own call count is Python state a graph cannot hold)")
+        if training and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        text = ":".join(map(str, self.key(training, 0)))
+        if training:                   # the step's place in the seed's text (key: tag, seed, step, ...)
+            head = ":".join(map(str, self.key(training, 0)[:2])) + ":"
+            before, after = head, text[len(head) + 1:]
+        else:
+            before, after, step = text, "", -1
+        device = torch.device("cpu") if device is None else torch.device(device)
+        gs = "" if self.group_size is None else str(self.group_size)
+        got = schedule_draw(self.sigma, self.num_samples, before, step, after, self.sampler, gs, self.dims, device)
+        sigma, dist = self.sigma.to(device), check_widths(None, self.sampler)
+        axes = tuple(Partitions.checked_elsewhere(got[i], got[i + 1], sigma, got[i + 2] if got[i + 2].numel() else None,
+                                                  dist) for i in range(0, len(got), 3))
+        return axes[0] if self.dims == 1 else PartitionsND(axes)
+
     def __repr__(self) -> str:
         return (f"PartitionSchedule(heads={self.num_heads}, samples={self.num_samples}, layer={self.layer}, "
                 f"seed={self.seed}, eval_seed={self.eval_seed}, sampler={self.sampler!r}, dims={self.dims})")
+
+
+@torch.library.custom_op("poslsh::schedule_draw", mutates_args=())
+def schedule_draw(sigma: Tensor, num_samples: int, before: str, step: int, after: str, sampler: str,
+                  group_size: str, dims: int, device: torch.device) -> List[Tensor]:
+    """The tensors of a :class:`PartitionSchedule`'s partitions, drawn with the seed of the text
+    ``before + step + after`` (``step < 0``: ``before + after``; the text of :meth:`PartitionSchedule.key`):
+    per axis widths, offsets (float64 ``[H, s]``) and groups (int64 ``[H, s]``, ``[0]`` for i.i.d.), on
+    ``device``. ``group_size``: ``""`` (None), ``"sqrt"`` or an int's digits. A custom op, so that
+    ``torch.compile`` sees one node where the draw runs a CPU generator."""
+    seed = stable_seed(before + (str(step) if step >= 0 else "") + after)
+    size = None if group_size == "" else int(group_size) if group_size.isdigit() else group_size
+    draw = sample_partitions if dims == 1 else sample_partitions_nd
+    parts = draw(sigma, num_samples, seed=seed, sampler=sampler, group_size=size)
+    none = torch.empty(0, dtype=torch.int64)
+    return [t.to(device).contiguous().clone() for p in ((parts,) if dims == 1 else parts.axes)
+            for t in (p.widths, p.offsets, none if p.groups is None else p.groups)]
+
+
+@schedule_draw.register_fake
+def _(sigma, num_samples, before, step, after, sampler, group_size, dims, device):
+    H = sigma.shape[0]
+    groups = (H, num_samples) if sampler != "iid" else (0,)
+    return [sigma.new_empty(shape, dtype=dtype, device=device) for _ in range(dims)
+            for shape, dtype in (((H, num_samples), torch.float64), ((H, num_samples), torch.float64),
+                                 (groups, torch.int64))]
 
 
 class HeadsAttention(nn.Module):
@@ -183,7 +236,10 @@ class PoslshAttention(HeadsAttention):
     """Multi-head attention whose only positional signal is positional LSH (an ALiBi estimate).
 
     Partitions follow :class:`PartitionSchedule`: fresh per (seed, step, layer) under ``train()``,
-    fixed per (eval_seed, layer) under ``eval()``. Arguments of :class:`HeadsAttention`, and:
+    fixed per (eval_seed, layer) under ``eval()``. ``torch.compile(module, fullgraph=True)`` traces one
+    graph (the draw is one custom op; the step a symbolic int after one recompilation); in training it
+    needs ``step=`` (the module's own call count is Python state a graph cannot hold: under fullgraph a
+    call without it is refused). Arguments of :class:`HeadsAttention`, and:
 
     Args:
         num_samples: ``s``; sampler, group_size: see :func:`poslsh.sample_partitions`.

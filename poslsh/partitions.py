@@ -149,11 +149,21 @@ class Partitions(Positional):
         (``"meta"`` too): the values were checked on construction, so they are not checked again."""
         if self.widths.device == torch.device(device):
             return self      # no copy (keeps torch.compile graphs whole)
-        moved = object.__new__(Partitions)
-        for f in dataclasses.fields(self):
-            x = getattr(self, f.name)
-            object.__setattr__(moved, f.name, x.to(device) if isinstance(x, Tensor) else x)
-        return moved
+        return Partitions.checked_elsewhere(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                                            device=device)
+
+    @classmethod
+    def checked_elsewhere(cls, widths: Tensor, offsets: Tensor, sigma: Optional[Tensor] = None,
+                          groups: Optional[Tensor] = None, distribution: Optional[WidthDistribution] = None, *,
+                          device=None) -> "Partitions":
+        """Partitions from values a checked draw produced (moved to ``device`` when given), not checked
+        again: what :meth:`to` and a compiled :class:`~poslsh.PartitionSchedule` build (the checks read
+        values, which a ``torch.compile`` graph cannot)."""
+        made = object.__new__(cls)
+        for name, x in (("widths", widths), ("offsets", offsets), ("sigma", sigma), ("groups", groups),
+                        ("distribution", distribution)):
+            object.__setattr__(made, name, x.to(device) if isinstance(x, Tensor) and device is not None else x)
+        return made
 
     def select_heads(self, heads) -> "Partitions":
         """The partitions of some heads (an index, slice or list), groups kept."""

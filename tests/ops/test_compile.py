@@ -101,9 +101,8 @@ def test_module_compiled_like_eager(dims):
     def fn(x, *_):
         return module(x, step=3, grid=grid)
 
-    # (not fullgraph: a training step draws its partitions from a seed hash, which dynamo does not trace)
-    assert_compiles_like_eager(fn, x, *weights, backend="inductor", out_tol=OUT_TOL, grad_tol=GRAD_TOL,
-                               fullgraph=False)
+    # fullgraph: the draw of a step's partitions is one custom op (poslsh::schedule_draw)
+    assert_compiles_like_eager(fn, x, *weights, backend="inductor", out_tol=OUT_TOL, grad_tol=GRAD_TOL)
 
 
 @pytest.mark.parametrize("op,name", [("sequence", "fwd"), ("sequence", "bwd"), ("window", "fwd"), ("window", "bwd"),
