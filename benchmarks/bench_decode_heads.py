@@ -37,7 +37,7 @@ def windows(H: int, tol: float, R: float):
     from poslsh.window import make_window
 
     slopes = poslsh.alibi_slopes(H)
-    return make_window(slopes, smallest_window(tol, slopes=slopes, logit_range=R))
+    return make_window(slopes, smallest_window(tol, 1 / slopes, R))
 
 
 def build(kind: str, win, ctx: int, d: int, g: torch.Generator):

@@ -134,7 +134,7 @@ def test_patched_methods(tmp_path):
         if method == "alibi":
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         if method == "alibi-wcost10":
-            assert st[0]["window"] == cost_matched_window(slopes=bloom.bloom_slopes(4), num_samples=10).tolist()
+            assert st[0]["window"] == cost_matched_window(1 / bloom.bloom_slopes(4), num_samples=10).tolist()
         if method == "poslsh-s10":
             assert st[0]["num_samples"] == 10
 

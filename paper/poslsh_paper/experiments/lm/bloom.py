@@ -75,10 +75,10 @@ def bloom_window(cfg):
     from poslsh.window import windows_in_sigmas
 
     p = parse_method(cfg.method)
-    slopes = bloom_slopes(cfg.model.num_heads)
+    sigma = 1.0 / bloom_slopes(cfg.model.num_heads)      # the model's slopes as bandwidths
     if p.window_cost_samples is not None:
-        return cost_matched_window(slopes=slopes, num_samples=p.window_cost_samples)
-    return windows_in_sigmas(p.window_sigmas, slopes=slopes)
+        return cost_matched_window(sigma, p.window_cost_samples)
+    return windows_in_sigmas(p.window_sigmas, sigma)
 
 
 def patch_for_method(model, cfg):
