@@ -15,7 +15,7 @@ Configuration: float32, B=1, H=4 ALiBi heads, d=64, s=10, causal.
 
 * the rival: positional LSH against exact ALiBi cut at per-head windows on the same engine
   (``windowed_alibi_attention``, torch backend) — at the cost-matched window (the keys per
-  query of positional LSH at s, :func:`poslsh.window.cost_matched_window`) and at 4 and 8 sigma —
+  query of positional LSH at s, :func:`poslsh.cost.cost_matched_window`) and at 4 and 8 sigma —
   and against dense SDPA + mask, forward and forward + backward at n=16384 and 65536,
   interleaved rounds, best of each; prints the ratios (``--rival-only`` runs just this).
 
@@ -81,7 +81,7 @@ def run_sdpa_alibi(n: int, repeats: int) -> float:
 def rival_comparison(lengths, rounds: int) -> dict:
     """Best wall / CPU seconds of interleaved rounds: poslsh s=S, the ALiBi window at the cost of
     s=S and at 4 and 8 sigma (all on the torch backend), and dense SDPA + ALiBi mask (n <= 16384)."""
-    from poslsh.window import cost_matched_window
+    from poslsh.cost import cost_matched_window
     sigma, slopes = poslsh.alibi_sigmas(H), poslsh.alibi_slopes(H)
     windows = {f"window at the cost of s={S}": cost_matched_window(sigma, S),
                "window 4 sigma": torch.round(4 * sigma).long(), "window 8 sigma": torch.round(8 * sigma).long()}

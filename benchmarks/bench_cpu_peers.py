@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, best_of_rounds, machine, markdown_table, write_json  # noqa: E402
 
 import poslsh  # noqa: E402
-from poslsh.ops import torch_impl  # noqa: E402
+from poslsh.ops.torch import ops as torch_ops  # noqa: E402
 
 D = 64
 HEAD_SETS = {
@@ -180,7 +180,7 @@ def main():
         args.rounds, args.sizes, args.backward_sizes = 2, [4096], [4096]
     # Every contender gets torch's threads: the torch backend's single-thread policy under load
     # would otherwise run it on fewer threads than its peers.
-    torch_impl.SINGLE_THREAD_WHEN_BUSY = False
+    torch_ops.SINGLE_THREAD_WHEN_BUSY = False
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
     warnings.filterwarnings("ignore", message="_compile flag on create_block_mask")
     before = machine()

@@ -2,7 +2,7 @@
 
 Attention shapes of BLOOM-560m (16 heads x 64) and MPT-7B (32 heads x 128), standard ALiBi slopes, 2 layers,
 batch 1, float32. The windows are the library's bound at ``--tol`` for an assumed ``--logit-range``
-(``poslsh.window.smallest_window``; ~38 sigma_h at the defaults). Three caches of the same stream:
+(``poslsh.theory.smallest_window``; ~38 sigma_h at the defaults). Three caches of the same stream:
 
 * ``per-head``: ``KVWindow`` storing each KV head's own window (``poslsh.decoding.HeadWindows``: rings of
   ``w_h + 1`` rows, steps attended in place by head buckets);
@@ -33,10 +33,11 @@ LAYERS = 2
 
 def windows(H: int, tol: float, R: float):
     import poslsh
-    from poslsh.window import make_window, smallest_window
+    from poslsh.theory import smallest_window
+    from poslsh.window import make_window
 
     slopes = poslsh.alibi_slopes(H)
-    return make_window(slopes, smallest_window(tol, slopes=slopes, logit_range=R))
+    return make_window(slopes, smallest_window(tol, 1 / slopes, R))
 
 
 def build(kind: str, win, ctx: int, d: int, g: torch.Generator):

@@ -32,8 +32,8 @@ import torch
 
 import poslsh
 from poslsh.documents import make_documents
-from poslsh.ops import torch_impl, torch_tiles
-from poslsh.ops.torch_plan import Layout, Span
+from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
+from poslsh.ops.torch.plan import Layout, Span
 from bench_common import machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if out_path.suffix != ".json" or out_path.is_dir():
         ap.error(f"--out must name a .json file, got {args.out!r}")
     torch.set_num_threads(args.threads)
-    torch_impl.SINGLE_THREAD_WHEN_BUSY = False      # the thread count is ours to set here
+    torch_ops.SINGLE_THREAD_WHEN_BUSY = False      # the thread count is ours to set here
 
     lengths = document_lengths(args.total, args.median, args.spread, args.seed)
     H, n = args.heads, args.total
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
     # the plans' cost: scores computed per way (machine-independent)
     docs = make_documents(1, n, cu_seqlens=cu)
-    plan = lambda m, layout=None: torch_impl.make_plan("sequence", parts.widths, parts.offsets,  # noqa: E731
+    plan = lambda m, layout=None: torch_ops.make_plan("sequence", parts.widths, parts.offsets,  # noqa: E731
                                                        Span.self_attention(m), layout, True, "cpu").groups
     scores = {"packed": torch_tiles.score_elements(plan(n, Layout(docs.start[0], docs.end[0]))),
               "alone": sum(torch_tiles.score_elements(plan(b - a)) for a, b in bounds),

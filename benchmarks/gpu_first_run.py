@@ -212,8 +212,8 @@ def check(args) -> int:
 
     # the window op: ALiBi cut at 10 sigma per head
     slopes, window = window_of(case, n, "window-flex")
-    wref = forward_backward(lambda q, k, v: poslsh.alibi_attention(q, k, v, slopes, window=window,
-                                                                   causal=case.causal), *xd, dout.double())
+    wref = forward_backward(lambda q, k, v: poslsh.reference.alibi_attention_reference(
+        q, k, v, slopes, window=window, causal=case.causal), *xd, dout.double())
     dist = (torch.arange(n, device=case.device)[:, None] - torch.arange(n, device=case.device)[None]).abs()
     wbias = -slopes.to(case.device)[:, None, None] * dist
     wbias = wbias.masked_fill((dist > window.to(case.device)[:, None, None]) | later, float("-inf"))

@@ -12,8 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._compat import one_rate, takes_slopes_too
-from ._validation import positions_needed
+from ._validation import check_has_values, positions_needed
 
 __all__ = ["alibi_slopes", "alibi_sigmas", "alibi_bias", "alibi_matrix", "as_per_head"]
 
@@ -60,16 +59,15 @@ def as_per_head(values, name: str) -> Tensor:
     return t
 
 
-def alibi_bias(n: int, slopes=None, *, causal: bool = False, dtype: torch.dtype = torch.float32,
-               device=None, num_queries: Optional[int] = None, q_start: Optional[int] = None, sigma=None) -> Tensor:
+def alibi_bias(n: int, slopes, *, causal: bool = False, dtype: torch.dtype = torch.float32,
+               device=None, num_queries: Optional[int] = None, q_start: Optional[int] = None) -> Tensor:
     """Dense additive ALiBi bias, shape ``[H, nq, n]``: ``-m_h * |i - j|`` for the keys at positions
     ``[0, n)`` and the ``nq = num_queries`` queries at ``[q_start, q_start + nq)`` (default ``nq = n``,
     ``q_start = 0``: self-attention; ``nq != n`` needs ``q_start``, e.g. ``n - nq`` for new tokens
-    against a cache of ``n`` keys, flash-attention's bottom-right alignment). ``slopes`` ``[H]``, or by
-    keyword ``sigma=`` ``[H]`` (``1 / m_h``). With ``causal=True`` keys after the query get ``-inf``.
+    against a cache of ``n`` keys, flash-attention's bottom-right alignment). ``slopes`` ``[H]``. With ``causal=True`` keys after the query get ``-inf``.
     This is a dense tensor: meant for references, tests, baselines and short decoding steps.
     """
-    slopes = as_per_head(one_rate(slopes, sigma, want="slopes", where="alibi_bias"), "slopes")
+    slopes = as_per_head(check_has_values(slopes, "slopes"), "slopes")
     device = slopes.device if device is None else device
     nq = n if num_queries is None else int(num_queries)
     if q_start is None and nq != n:
@@ -83,10 +81,8 @@ def alibi_bias(n: int, slopes=None, *, causal: bool = False, dtype: torch.dtype 
     return bias.to(dtype)
 
 
-@takes_slopes_too
 def alibi_matrix(n: int, sigma, *, device=None) -> Tensor:
-    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]`` (``sigma`` ``[H]``, or by
-    keyword ``slopes=``)."""
+    """The ALiBi kernel matrix ``L*_ij = exp(-|i - j| / sigma_h)``, float64 ``[H, n, n]`` (``sigma`` ``[H]``)."""
     sigma = as_per_head(sigma, "sigma").to(torch.float64)
     device = sigma.device if device is None else device
     pos = torch.arange(n, device=device, dtype=torch.float64)

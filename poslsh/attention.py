@@ -1,7 +1,8 @@
 """The public ops and their one dispatcher: :func:`attend` (any positional object),
 :func:`poslsh_attention` (positional LSH on a sequence) and :func:`poslsh_attention_nd` (positional
-LSH over token coordinates: a 2-D grid); the window op, :func:`poslsh.windowed_alibi_attention`, lives in its
-room (:mod:`poslsh.window`) and dispatches here too.
+LSH over token coordinates: a 2-D grid); exact ALiBi, whole or cut at a window
+(:func:`poslsh.alibi_attention`, also named :func:`poslsh.windowed_alibi_attention`), lives in the
+window's room (:mod:`poslsh.window.op`) and dispatches here too.
 
 Every call goes the same way: validate (shapes, the object's heads and layout, positions, packed
 documents), ask the registry for the backend of the object's op (:mod:`poslsh.ops.registry`), check
@@ -15,7 +16,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._compat import warn_once
 from ._validation import check_has_values, check_qkv, check_scale, compute_dtype
 from .documents import make_documents
 from .ops import load_backends, registry
@@ -149,13 +149,6 @@ def poslsh_attention_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *, grid: Op
     """
     _with_values(check_positional(partitions, "partitions", op="nd"), "partitions", q)
     return _dispatch(q, k, v, partitions, causal=causal, scale=scale, backend=backend, return_lse=return_lse, grid=grid)
-
-
-def poslsh_attention_2d(q: Tensor, k: Tensor, v: Tensor, partitions, grid: Tuple[int, int], **kwargs):
-    """The former name of :func:`poslsh_attention_nd`, with its grid in its old place (kept for one release)."""
-    warn_once("poslsh_attention_2d", "poslsh_attention_2d(q, k, v, partitions, grid) is now poslsh_attention_nd(q, k, "
-              "v, partitions, grid=grid) (one spelling for the N-D family); the old name goes in the next release")
-    return poslsh_attention_nd(q, k, v, partitions, grid=grid, **kwargs)
 
 
 def _with_values(positional: Positional, name: str, q) -> None:

@@ -1,5 +1,5 @@
-"""What a query costs under positional LSH: the keys it visits (the window's cost and the window of
-equal cost are in its room, :mod:`poslsh.window.cost`).
+"""What a query costs: the keys it visits under positional LSH and under a window, and the window
+that costs what positional LSH costs (:func:`cost_matched_window`).
 
 A query at position ``i`` visits the union of its ``s`` blocks. Under random binning the distance
 ``back_t`` from ``i`` back to the start of its block in sample ``t`` satisfies, for integers
@@ -13,6 +13,10 @@ so far from the sequence's ends
 
 (expectation is linear, so the two-sided count needs no joint law). These are the expected values
 for i.i.d. samples; correlated samplers (``"grouped"``) have smaller unions, measured rather than computed.
+
+A window of ``w`` keeps ``w + 1`` keys per causal query (``2 w + 1`` two-sided), far from the ends, so
+the window of equal cost is ``w_h = round(E[max_t back_t])`` per head (the same two-sided or causal).
+The rate here is the bandwidth ``sigma_h = 1 / m_h`` (from ALiBi slopes: ``1 / slopes``).
 """
 from __future__ import annotations
 
@@ -21,9 +25,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._compat import one_rate, renamed_keywords, takes_slopes_too
-
-__all__ = ["poslsh_keys_per_query", "expected_reach", "check_num_samples_int"]
+__all__ = ["poslsh_keys_per_query", "expected_reach", "window_keys_per_query", "cost_matched_window",
+           "check_num_samples_int"]
 
 
 def check_sigma(sigma) -> Tensor:
@@ -39,7 +42,6 @@ def check_num_samples_int(num_samples) -> int:
     return num_samples
 
 
-@takes_slopes_too
 def expected_reach(sigma, num_samples: int) -> Tensor:
     """``E[max_t back_t]`` per head (float64 ``[H]``): how far back (or forward) the union of
     ``num_samples`` i.i.d. blocks reaches from a query, far from the ends (the series, to 1e-12 relative)."""
@@ -53,11 +55,20 @@ def expected_reach(sigma, num_samples: int) -> Tensor:
     return out
 
 
-@renamed_keywords(s="num_samples")
-def poslsh_keys_per_query(sigma=None, num_samples: int = None, *, slopes=None, causal: bool = True) -> Tensor:
+def poslsh_keys_per_query(sigma, num_samples: int, *, causal: bool = True) -> Tensor:
     """Expected keys a query visits with ``num_samples`` i.i.d. random-binning masks, per head (float64
-    ``[H]``), far from the sequence's ends: the union of its blocks (module docstring). ``sigma`` ``[H]``,
-    or by keyword ``slopes=`` (``1 / sigma``)."""
-    sigma = one_rate(slopes, sigma, want="sigma", where="poslsh_keys_per_query")
+    ``[H]``), far from the sequence's ends: the union of its blocks (module docstring). ``sigma`` ``[H]``."""
     back = expected_reach(sigma, check_num_samples_int(num_samples))
     return 1.0 + back if causal else 1.0 + 2.0 * back
+
+
+def window_keys_per_query(window, *, causal: bool = True) -> Tensor:
+    """Keys a query visits under a window of ``window`` (``[H]``), far from the ends."""
+    w = torch.as_tensor(window, dtype=torch.float64).reshape(-1)
+    return w + 1.0 if causal else 2.0 * w + 1.0
+
+
+def cost_matched_window(sigma, num_samples: int) -> Tensor:
+    """The per-head window (int64 ``[H]``) whose keys per query equal positional LSH's at ``num_samples``
+    i.i.d. samples (rounded to the nearest integer; the same two-sided or causal). ``sigma`` ``[H]``."""
+    return torch.round(expected_reach(sigma, check_num_samples_int(num_samples))).to(torch.int64)

@@ -26,7 +26,6 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._compat import renamed_keywords, takes_slopes_too
 from .positional import Positional
 from .sampling import (MAX_WIDTH, SAMPLERS, check_groups, check_num_samples, check_sampler, check_sigma, check_widths,
                        draw, group_count, make_generator)
@@ -150,11 +149,21 @@ class Partitions(Positional):
         (``"meta"`` too): the values were checked on construction, so they are not checked again."""
         if self.widths.device == torch.device(device):
             return self      # no copy (keeps torch.compile graphs whole)
-        moved = object.__new__(Partitions)
-        for f in dataclasses.fields(self):
-            x = getattr(self, f.name)
-            object.__setattr__(moved, f.name, x.to(device) if isinstance(x, Tensor) else x)
-        return moved
+        return Partitions.checked_elsewhere(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                                            device=device)
+
+    @classmethod
+    def checked_elsewhere(cls, widths: Tensor, offsets: Tensor, sigma: Optional[Tensor] = None,
+                          groups: Optional[Tensor] = None, distribution: Optional[WidthDistribution] = None, *,
+                          device=None) -> "Partitions":
+        """Partitions from values a checked draw produced (moved to ``device`` when given), not checked
+        again: what :meth:`to` and a compiled :class:`~poslsh.PartitionSchedule` build (the checks read
+        values, which a ``torch.compile`` graph cannot)."""
+        made = object.__new__(cls)
+        for name, x in (("widths", widths), ("offsets", offsets), ("sigma", sigma), ("groups", groups),
+                        ("distribution", distribution)):
+            object.__setattr__(made, name, x.to(device) if isinstance(x, Tensor) and device is not None else x)
+        return made
 
     def select_heads(self, heads) -> "Partitions":
         """The partitions of some heads (an index, slice or list), groups kept."""
@@ -362,17 +371,14 @@ def block_bounds(widths: Tensor, offsets: Tensor, n: int, positions: Tensor) -> 
     return start.to(torch.int64), end.to(torch.int64)
 
 
-
-@renamed_keywords(method="sampler")
-@takes_slopes_too
 def sample_partitions(sigma, num_samples: int, *, generator: Optional[torch.Generator] = None,
                       seed: Optional[int] = None, sampler: str = "iid", group_size: Union[int, str, None] = None,
                       widths: Optional[WidthDistribution] = None) -> Partitions:
     """Draw ``num_samples`` random-binning partitions for each head.
 
     Args:
-        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0``; or by keyword
-            ``slopes=`` ``[H]`` (exactly one of the two). A number is one head.
+        sigma: per-head bandwidths ``[H]`` (``sigma_h = 1 / alibi_slope_h``); finite, ``> 0`` (from ALiBi
+            slopes: ``1 / slopes``, or :func:`poslsh.alibi_sigmas`). A number is one head.
         num_samples: ``s >= 1`` partitions per head.
         generator: a CPU ``torch.Generator`` to draw from (exclusive with ``seed``).
         seed: an int seed (exclusive with ``generator``). With neither, the global

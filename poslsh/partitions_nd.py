@@ -28,7 +28,6 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._compat import renamed_keywords, takes_slopes_too, warn_once
 from .partitions import Partitions
 from .positional import Positional
 from .sampling import check_num_samples, check_sampler, check_sigma, check_widths, draw, make_generator
@@ -260,13 +259,6 @@ class PartitionsND(Positional):
             raise ValueError(f"block_size must be a tuple of ints >= 1 (one side per axis), got {block_size!r}")
         return cls(tuple(Partitions.fixed_blocks(num_heads, int(b), device=device) for b in block_size))
 
-    @classmethod
-    def fixed_boxes(cls, num_heads: int, box: Sequence[int], *, device=None) -> "PartitionsND":
-        """The former name of :meth:`fixed_blocks` (kept for one release)."""
-        warn_once("PartitionsND.fixed_boxes", "PartitionsND.fixed_boxes(H, box) is now PartitionsND.fixed_blocks(H, "
-                  "block_size) (the 1-D name); the old name goes in the next release")
-        return cls.fixed_blocks(num_heads, box, device=device)
-
     # ---------------------------------------------------------------- geometry
     def labels(self, coords: Tensor) -> Tensor:
         """Per-axis bin labels of every token, int64 ``[H, s, n, D]`` (each axis's
@@ -299,22 +291,10 @@ class PartitionsND(Positional):
         lo, hi = zip(*(p.block_bounds(int(ext[a]), x[:, a]) for a, p in enumerate(self.axes)))
         return torch.stack(lo, -1), torch.stack(hi, -1)
 
-    def box_bounds(self, coords: Tensor, extent: Optional[Sequence[int]] = None) -> Tuple[Tensor, Tensor]:
-        """The former name of :meth:`block_bounds`, in its old order (kept for one release)."""
-        warn_once("PartitionsND.box_bounds", "PartitionsND.box_bounds(coords, extent) is now PartitionsND.block_bounds("
-                  "extent, coords) (the 1-D name and order); the old name goes in the next release")
-        return self.block_bounds(extent, coords)
-
     def max_block_size(self, coords: Tensor) -> int:
         """The largest number of tokens in one block (box), over heads and samples."""
         ids = self.block_ids(coords)
         return max(int(torch.unique(row, return_counts=True)[1].max()) for row in ids.reshape(-1, ids.shape[-1]))
-
-    def max_box_size(self, coords: Tensor) -> int:
-        """The former name of :meth:`max_block_size` (kept for one release)."""
-        warn_once("PartitionsND.max_box_size", "PartitionsND.max_box_size is now PartitionsND.max_block_size (the 1-D "
-                  "name); the old name goes in the next release")
-        return self.max_block_size(coords)
 
     def dense_count(self, coords: Tensor) -> Tensor:
         """``count_xy`` = number of samples in which tokens ``x`` and ``y`` share a box (all axes at
@@ -343,7 +323,6 @@ class PartitionsND(Positional):
         return out
 
 
-@takes_slopes_too
 def expected_mask(coords: Tensor, sigma, widths: Optional[WidthDistribution] = None) -> Tensor:
     """``L_xy = prod_a k(|x_a - y_a|; sigma_{h,a})`` for coordinates ``[n, D]`` and sigma ``[H]`` or
     ``[H, D]``: float64 ``[H, n, n]`` (dense). Gamma(2) widths (default) give 2-D ALiBi's ``L**``."""
@@ -357,8 +336,6 @@ def expected_mask(coords: Tensor, sigma, widths: Optional[WidthDistribution] = N
     return out
 
 
-@renamed_keywords(method="sampler")
-@takes_slopes_too
 def sample_partitions_nd(sigma, num_samples: int, *, dims: Optional[int] = None,
                          widths: Optional[WidthDistribution] = None, sampler: str = "iid",
                          group_size: Union[int, str, None] = None, generator: Optional[torch.Generator] = None,

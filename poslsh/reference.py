@@ -1,4 +1,5 @@
-"""Dense oracles: exact ALiBi attention (whole, or cut at per-head windows), approximate attention
+"""Dense oracles: exact ALiBi attention (whole, or cut at per-head windows: the oracle of the fast op
+:func:`poslsh.alibi_attention`), approximate attention
 with the empirical mean mask ``M~``, and one oracle for any positional object
 (:func:`reference_attention`: one softmax with the object's :meth:`~poslsh.positional.Positional.dense_bias`),
 for self-attention, queries and keys at given positions, and packed documents. All materialise
@@ -15,13 +16,12 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ._compat import one_rate, takes_slopes_too
-from ._validation import check_qkv, check_scale, compute_dtype, positions_needed
+from ._validation import check_has_values, check_qkv, check_scale, compute_dtype, positions_needed
 from .documents import Documents, make_documents
 from .positional import Positional, check_positional
-from .window.kind import NO_WINDOW, make_window
+from .window.kind import make_window
 
-__all__ = ["alibi_attention", "poslsh_attention_reference", "reference_attention", "dense_attention",
+__all__ = ["alibi_attention_reference", "poslsh_attention_reference", "reference_attention", "dense_attention",
            "dense_attention_with_bias"]
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, *,
@@ -112,7 +112,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional,
     """The dense oracle of a sequence kind (:class:`~poslsh.Partitions`, :class:`~poslsh.AlibiWindow`):
     ``softmax(q k^T * scale + B) v`` with ``B = positional.dense_bias`` between the positions, causal by
     position, no weight across packed documents (whose positions restart at 0). Shapes and positions
-    as in :func:`alibi_attention`; ``documents``: already validated ones, in place of
+    as in :func:`alibi_attention_reference`; ``documents``: already validated ones, in place of
     ``cu_seqlens`` / ``document_ids``."""
     shape = check_qkv(q, k, v, any_lengths=True)
     positional = check_positional(positional, op=("sequence", "window")).to(q.device)
@@ -132,20 +132,19 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional,
     return dense_attention(q, k, v, bias, allowed=allowed, scale=scale, return_lse=return_lse)
 
 
-def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, causal: bool = False,
-                    scale: Optional[float] = None, window: Union[int, Tensor, None] = None, sigma=None,
-                    q_start: Optional[int] = None, k_start: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                    document_ids: Optional[Tensor] = None, return_lse: bool = False):
-    """Exact ALiBi attention: ``softmax(q k^T * scale - m_h |i - j|) v``, densely (float64-safe).
+def alibi_attention_reference(q: Tensor, k: Tensor, v: Tensor, slopes, *, window: Union[int, Tensor, None] = None,
+                              causal: bool = False, scale: Optional[float] = None, q_start: Optional[int] = None,
+                              k_start: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
+                              document_ids: Optional[Tensor] = None, return_lse: bool = False):
+    """Exact ALiBi attention, ``softmax(q k^T * scale - m_h |i - j|) v``, densely (float64-safe): the
+    oracle of :func:`poslsh.alibi_attention` (the fast op, same arguments but ``backend`` and ``seq_len``).
 
     Args:
         q: ``[B, Hq, nq, d]``; k, v: ``[B, Hkv, nk, d]`` / ``[B, Hkv, nk, dv]`` (Hq a multiple of Hkv).
-        slopes: ``[Hq]`` ALiBi slopes ``m_h`` (see :func:`poslsh.alibi_slopes`); or by keyword
-            ``sigma=`` ``[Hq]``, ``sigma_h = 1 / m_h`` (exactly one of the two).
+        slopes: ``[Hq]`` ALiBi slopes ``m_h`` (see :func:`poslsh.alibi_slopes`).
+        window: keep only keys with ``|i - j| <= window_h`` (an int or int ``[Hq]``); None: no cut, every key.
         causal: mask keys after the query (by position).
         scale: logit scale, default ``1 / sqrt(d)``.
-        window: keep only keys with ``|i - j| <= window_h`` (an int or int ``[Hq]``): the oracle of
-            :func:`poslsh.windowed_alibi_attention`; None: every key.
         q_start, k_start: positions of the first query and key (a missing one is 0; queries and
             keys at given positions need no equal lengths). Without them ``nq`` must equal ``nk``
             (self-attention); flash-attention's bottom-right alignment is ``q_start = k_start + nk - nq``.
@@ -156,8 +155,7 @@ def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, causal: boo
         ``[B, Hq, nq, dv]`` (and the log-sum-exp). Dense ``O(nq nk)`` memory: a reference, not a fast path.
     """
     shape = check_qkv(q, k, v, any_lengths=True)
-    slopes = one_rate(slopes, sigma, want="slopes", where="alibi_attention")
-    win = make_window(slopes, NO_WINDOW if window is None else window, shape.q_heads)
+    win = make_window(slopes, window, shape.q_heads)
     return reference_attention(q, k, v, win, causal=causal, scale=scale, q_start=q_start, k_start=k_start,
                                cu_seqlens=cu_seqlens, document_ids=document_ids, return_lse=return_lse)
 
@@ -190,7 +188,7 @@ def poslsh_attention_reference(q: Tensor, k: Tensor, v: Tensor, partitions, *,
 from .partitions_nd import check_coords, check_grid, check_sigma_nd, expected_mask, grid_coords  # noqa: E402
 from .widths import WidthDistribution  # noqa: E402
 
-__all__ += ["coords_nd", "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_nd", "kernel_attention_nd",
+__all__ += ["coords_nd", "alibi_bias_nd", "alibi_matrix_nd", "alibi_attention_reference_nd", "kernel_attention_nd",
             "poslsh_attention_reference_nd"]
 
 
@@ -222,13 +220,13 @@ def _slopes_nd(slopes, dims: int) -> Tensor:
     return t
 
 
-def alibi_bias_nd(coords: Tensor, slopes=None, *, dtype: torch.dtype = torch.float64, sigma=None) -> Tensor:
+def alibi_bias_nd(coords: Tensor, slopes, *, dtype: torch.dtype = torch.float64) -> Tensor:
     """Additive N-D ALiBi bias ``-sum_a m_{h,a} |x_a - y_a|`` (``= -m_h ||x - y||_1`` for one
-    slope per head), ``[H, n, n]`` in ``dtype``. ``slopes``: ``[H]`` or per-axis ``[H, D]`` (or ``sigma=``, ``1 / slopes``).
+    slope per head), ``[H, n, n]`` in ``dtype``. ``slopes``: ``[H]`` or per-axis ``[H, D]``.
     Built head by head and axis by axis in ``dtype``, so memory is the output plus two ``[n, n]``
     buffers (a 128 x 128 grid in float32: 4 GiB + 2 GiB)."""
     x = check_coords(coords)
-    m = _slopes_nd(one_rate(slopes, sigma, want="slopes", where="alibi_bias_nd"), x.shape[1])
+    m = _slopes_nd(check_has_values(slopes, "slopes"), x.shape[1])
     xf = x.to(torch.float64 if dtype == torch.float64 else torch.float32)   # small integers: exact
     out = torch.zeros(m.shape[0], x.shape[0], x.shape[0], dtype=dtype, device=x.device)
     for a in range(x.shape[1]):
@@ -238,21 +236,21 @@ def alibi_bias_nd(coords: Tensor, slopes=None, *, dtype: torch.dtype = torch.flo
     return out
 
 
-@takes_slopes_too
 def alibi_matrix_nd(coords: Tensor, sigma) -> Tensor:
     """``L**_xy = exp(-sum_a |x_a - y_a| / sigma_{h,a})``, float64 ``[H, n, n]`` (2-D ALiBi's kernel)."""
     x = check_coords(coords)
     return torch.exp(alibi_bias_nd(x, 1.0 / check_sigma_nd(sigma, x.shape[1])))
 
 
-def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, coords: Optional[Tensor] = None, grid=None,
-                       causal: bool = False, scale: Optional[float] = None, return_lse: bool = False, sigma=None):
+def alibi_attention_reference_nd(q: Tensor, k: Tensor, v: Tensor, slopes, *, coords: Optional[Tensor] = None,
+                                 grid=None, causal: bool = False, scale: Optional[float] = None,
+                                 return_lse: bool = False):
     """Exact N-D ALiBi attention ``softmax(q k^T * scale - m_h ||x_i - x_j||_1) v`` (the weights
     multiplied by ``L**``), densely.
 
     Args:
         q: ``[B, Hq, n, d]``; k, v: ``[B, Hkv, n, d]`` / ``[B, Hkv, n, dv]`` (``Hq`` a multiple of ``Hkv``).
-        slopes: ``[Hq]`` or ``[Hq, D]`` slopes ``m``; or by keyword ``sigma=`` (``1 / m``).
+        slopes: ``[Hq]`` or ``[Hq, D]`` slopes ``m``.
         coords: ``[n, D]`` integer token coordinates, or grid: ``(height, width)`` in raster order.
         causal: token ``i`` attends to ``j <= i`` only (raster order).
         return_lse: also return the log-sum-exp ``[B, Hq, n]`` of the biased logits.
@@ -260,22 +258,20 @@ def alibi_attention_nd(q: Tensor, k: Tensor, v: Tensor, slopes=None, *, coords: 
         ``[B, Hq, n, dv]`` (computed in float32, or float64 for float64 input), and the lse.
     """
     shape = check_qkv(q, k, v)
-    slopes = one_rate(slopes, sigma, want="slopes", where="alibi_attention_nd")
     bias = alibi_bias_nd(coords_nd(shape.seqlen, coords, grid), slopes).to(q.device)
     if bias.shape[0] != shape.q_heads:
         raise ValueError(f"got {bias.shape[0]} slopes for {shape.q_heads} query heads")
     return dense_attention(q, k, v, bias, causal=causal, scale=scale, return_lse=return_lse)
 
 
-@takes_slopes_too
 def kernel_attention_nd(q: Tensor, k: Tensor, v: Tensor, sigma, widths: Optional[WidthDistribution] = None, *,
                         coords: Optional[Tensor] = None, grid=None, causal: bool = False,
                         scale: Optional[float] = None, return_lse: bool = False):
     """Attention with the weights multiplied by the exact expected mask ``L = E[M]`` of a width
     distribution (:func:`~poslsh.partitions_nd.expected_mask`): the target that positional LSH
     with those widths estimates. ``sigma``: ``[Hq]`` or ``[Hq, D]``, the kernel's bandwidths (its math is in
-    ``sigma``, as the samplers'; ``slopes=`` by keyword). Shapes as in
-    :func:`alibi_attention_nd`; where ``L = 0`` (compact kernels) the key is masked."""
+    ``sigma``, as the samplers'). Shapes as in
+    :func:`alibi_attention_reference_nd`; where ``L = 0`` (compact kernels) the key is masked."""
     shape = check_qkv(q, k, v)
     L = expected_mask(coords_nd(shape.seqlen, coords, grid), sigma, widths).to(q.device)
     if L.shape[0] != shape.q_heads:
@@ -292,7 +288,7 @@ def poslsh_attention_reference_nd(q: Tensor, k: Tensor, v: Tensor, partitions, *
     ``T~_i = sum_t sum_{j in box_t(i)} e^{s_ij} v_j / sum_t sum_{j in box_t(i)} e^{s_ij}``: one
     softmax with the bias ``log count_ij`` (``count_ij`` = samples in which ``i`` and ``j`` share a
     box on every axis; ``-inf`` where 0); ``return_lse`` adds ``log sum_j count_ij e^{s_ij}``.
-    Shapes as in :func:`alibi_attention_nd`; ``partitions`` has ``Hq`` heads and ``D`` = the
+    Shapes as in :func:`alibi_attention_reference_nd`; ``partitions`` has ``Hq`` heads and ``D`` = the
     coordinates' axes.
     """
     check_positional(partitions, "partitions", op="nd")

@@ -1,11 +1,13 @@
 """poslsh.AlibiAttention (exact or windowed ALiBi as an nn.Module) against the float64 oracle
-(poslsh.alibi_attention): forward and backward, awkward lengths, GQA, batches, packed documents,
+(alibi_attention_reference): forward and backward, awkward lengths, GQA, batches, packed documents,
 every way to give the windows; and it trains."""
 import pytest
 import torch
 
 import poslsh
-from poslsh.window import smallest_window, windows_in_sigmas
+from poslsh.reference import alibi_attention_reference
+from poslsh.theory import smallest_window
+from poslsh.window import windows_in_sigmas
 
 from inputs import make_qkv
 
@@ -15,7 +17,7 @@ H, KV = 4, 2
 def oracle_of(layer, q, k, v, **docs):
     win = layer.window
     window = None if layer.exact else win.window
-    return poslsh.alibi_attention(q, k, v, win.slopes, window=window, causal=layer.causal, **docs)
+    return alibi_attention_reference(q, k, v, win.slopes, window=window, causal=layer.causal, **docs)
 
 
 def max_err(a, b):
@@ -81,7 +83,7 @@ def test_the_windows_follow_each_rule():
                        windows_in_sigmas(1.5, sigma))
     assert torch.equal(poslsh.AlibiAttention(num_heads=H, tol=1e-3, logit_range=4.0).window.window,
                        smallest_window(1e-3, sigma, 4.0))
-    custom = poslsh.AlibiAttention(num_heads=2, sigma=[2.0, 8.0], window=[1, 2])
+    custom = poslsh.AlibiAttention(num_heads=2, slopes=1 / torch.tensor([2.0, 8.0]), window=[1, 2])
     assert torch.equal(custom.window.slopes, torch.tensor([0.5, 0.125], dtype=torch.float64))
     for kwargs, match in [(dict(window=3, tol=1e-3), "at most one of"), (dict(tol=1e-3), "need logit_range"),
                           (dict(logit_range=3.0), "together with tol"), (dict(dims=2), "attends sequences"),
@@ -89,7 +91,7 @@ def test_the_windows_follow_each_rule():
                           (dict(slopes=[1.0], window=1), "1 slopes for 4 query heads")]:
         with pytest.raises(ValueError, match=match):
             poslsh.AlibiAttention(num_heads=H, **kwargs)
-    with pytest.raises(TypeError, match="not both"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sigma'"):     # one word: slopes
         poslsh.AlibiAttention(num_heads=H, slopes=poslsh.alibi_slopes(H), sigma=sigma)
     layer = poslsh.AlibiAttention(num_heads=H, window=2)
     q, k, v = make_qkv(1, H, H, 12, 8)

@@ -1,6 +1,7 @@
 """The house rules, checked on the source of the library (``poslsh``) and of the paper's app
-(``paper/poslsh_paper``), see docs/architecture.md: every import points down the floors, the
-library never imports the app, no import cycles, no oversized modules."""
+(``paper/poslsh_paper``), see docs/architecture.md: every import points down the floors (a package's
+``__init__`` included, which runs before any of its modules), the library never imports the app, no
+import cycles, no oversized modules."""
 import ast
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
@@ -13,16 +14,16 @@ PACKAGES = {"poslsh": REPO / "poslsh", "poslsh_paper": REPO / "paper" / "poslsh_
 # Lowest floor first. A module may import from its own floor or any floor below it.
 # The library's floors come first, the app's after them: the library never imports the app.
 FLOORS: List[Tuple[str, List[str]]] = [
-    ("base", ["poslsh._validation", "poslsh._compat", "poslsh.threads", "poslsh.seeding"]),
+    ("base", ["poslsh._validation", "poslsh.threads", "poslsh.seeding"]),
     ("core math", ["poslsh.alibi", "poslsh.cost", "poslsh.documents", "poslsh.merge", "poslsh.sampling",
                    "poslsh.widths"]),
     # the positional protocol and the kinds that implement it
-    ("positional kinds", ["poslsh.positional", "poslsh.partitions", "poslsh.partitions_nd", "poslsh.window.kind"]),
+    # (poslsh.window: the window's package, whose face is its kind; its theory and op sit on their floors)
+    ("positional kinds", ["poslsh.positional", "poslsh.partitions", "poslsh.partitions_nd", "poslsh.window",
+                          "poslsh.window.kind"]),
     # what is proved or computed densely about the kinds: below every op
-    ("theory and oracles", ["poslsh.theory", "poslsh.window.theory", "poslsh.window.cost", "poslsh.window_theory",
-                            "poslsh.reference"]),
-    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.attention_nd", "poslsh.window", "poslsh.distributed",
-            "poslsh.decoding"]),
+    ("theory and oracles", ["poslsh.theory", "poslsh.window.theory", "poslsh.reference"]),
+    ("op", ["poslsh.ops", "poslsh.attention", "poslsh.window.op", "poslsh.distributed", "poslsh.decoding"]),
     ("modules", ["poslsh.modules", "poslsh"]),  # "poslsh" = the package's public face
     ("integrations", ["poslsh.integrations"]),      # the tested transformers range
     # the Hugging Face integration (poslsh/integrations/hf/): the pieces both families of models share, the
@@ -99,6 +100,24 @@ def test_every_import_points_down():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+ROOTS = set(PACKAGES)      # the public faces: importing either runs everything below it anyway
+SUBPACKAGES = sorted(m for m, path in MODULES.items() if path.name == "__init__.py" and m not in ROOTS)
+
+
+def packages_above_their_modules(floor) -> List[str]:
+    return [f"{p} (floor {FLOORS[floor(p)][0]!r}) holds {m} (floor {FLOORS[floor(m)][0]!r})"
+            for p in SUBPACKAGES for m in sorted(MODULES) if m.startswith(p + ".") and floor(p) > floor(m)]
+
+
+def test_a_package_sits_no_higher_than_its_modules():
+    """Importing any module runs its packages' ``__init__`` first: a package whose ``__init__`` sits
+    above one of its modules (e.g. imports an op while holding a positional kind) is an upward arrow
+    the import statements do not show. The roots (the public faces) are exempt."""
+    high = packages_above_their_modules(floor_of)
+    print("\n".join(high) or "every package sits on its lowest module's floor or below")
+    assert not high, "packages above their modules:\n" + "\n".join(high)
+
+
 def test_no_import_cycles():
     state: Dict[str, int] = {}
     cycles = []
@@ -138,6 +157,10 @@ def test_the_checker_sees_violations():
     assert "poslsh.partitions" in GRAPH["poslsh.ops.triton._plan"]   # from ...partitions import ...
     with pytest.raises(AssertionError, match="on no floor"):
         floor_of("poslsh_other")
+    # the window's package on the op floor (as when its __init__ imported the op) would be caught
+    op_floor = floor_of("poslsh.attention")
+    moved = lambda m: op_floor if m == "poslsh.window" else floor_of(m)  # noqa: E731
+    assert any(h.startswith("poslsh.window ") and "poslsh.window.kind" in h for h in packages_above_their_modules(moved))
 
 
 HF_FAMILIES = ("poslsh.integrations.hf.schemes", "poslsh.integrations.hf.alibi", "poslsh.integrations.hf.encoders")
@@ -227,5 +250,6 @@ def test_the_new_rooms_have_floors():
     """The protocol sits with the kinds, the window's object below the theory, its op with the ops."""
     assert floor_of("poslsh.positional") == floor_of("poslsh.partitions") == floor_of("poslsh.window.kind")
     assert floor_of("poslsh.window.kind") < floor_of("poslsh.reference") < floor_of("poslsh.window.op")
+    assert floor_of("poslsh.window") == floor_of("poslsh.window.kind") < floor_of("poslsh.window.theory")
     assert floor_of("poslsh.ops.call") == floor_of("poslsh.attention") > floor_of("poslsh.theory")
-    assert floor_of("poslsh._compat") == 0
+    assert floor_of("poslsh.ops.torch.ops") == floor_of("poslsh.ops.triton._ops") == floor_of("poslsh.ops")

@@ -47,7 +47,7 @@ def test_bad_partitions_scale_backend():
 
 def test_no_quadratic_tensor_on_torch_path(monkeypatch):
     """Every tensor created inside the torch backend is O(n) in size (n = 4096 here)."""
-    import poslsh.ops.torch_tiles as ti
+    import poslsh.ops.torch.tiles as ti
 
     n = 4096
     q, k, v = make_qkv(1, 2, 1, n, 8, dtype=torch.float32)

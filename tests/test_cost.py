@@ -1,5 +1,5 @@
 """The expected keys per query of positional LSH (poslsh.cost) against counted unions of blocks, and the
-window of its cost (poslsh.window.cost)."""
+window of its cost (poslsh.cost)."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 import poslsh
 from poslsh.cost import poslsh_keys_per_query
-from poslsh.window import cost_matched_window, window_keys_per_query
+from poslsh.cost import cost_matched_window, window_keys_per_query
 
 
 @pytest.mark.parametrize("causal", [True, False])

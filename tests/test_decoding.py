@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import poslsh
+from poslsh.reference import alibi_attention_reference
 from poslsh.window import make_window
 from poslsh.decoding import (KVWindow, attend, cache_bound, cache_bound_whp, document_rows, first_needed,
                              packed_windows)
@@ -130,7 +131,7 @@ def test_window_decoding_equals_dense_oracle_holding_exactly_w_keys(dtype, tol, 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)
+    want = alibi_attention_reference(q, k, v, win.slopes, window=win.window, causal=True)
     cache = KVWindow(win, backend=WINDOW_AND_DOCUMENTS_BACKEND, per_head=per_head)
     pos, outs, i, chunks = 0, [], 0, [1, 1, 3, 64, 1, 17, 1, 1, 40, 2]
     while pos < n:
@@ -160,13 +161,13 @@ def test_a_window_keeps_no_key_too_many():
     q = torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
     p = n - 1
-    want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)[:, :, p:]
+    want = alibi_attention_reference(q, k, v, win.slopes, window=win.window, causal=True)[:, :, p:]
     first = int(first_needed(win, [p])[0])
     errs = []
     out = poslsh.windowed_alibi_attention(q[:, :, p:], k[:, :, first:], v[:, :, first:], win.slopes, window=win.window,
                                           causal=True, q_start=p, k_start=first, backend=WINDOW_AND_DOCUMENTS_BACKEND)
     errs.append((out - want).abs().amax((0, 2, 3)))                             # per head
-    short = poslsh.alibi_attention(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,  # the oracle
+    short = alibi_attention_reference(q[:, :, p:], k[:, :, first + 1:], v[:, :, first + 1:], win.slopes,  # the oracle
                                    window=win.window, causal=True, q_start=p, k_start=first + 1)
     errs.append((short - want).abs().amax((0, 2, 3)))
     assert float(errs[0].max()) < 1e-12
@@ -202,7 +203,7 @@ def test_packed_prefill_then_per_document_decoding_equals_each_document_alone(ki
         if kind == "partitions":
             want = poslsh.poslsh_attention_reference(*doc, positional, causal=True)
         else:
-            want = poslsh.alibi_attention(*doc, positional.slopes, window=positional.window, causal=True)
+            want = alibi_attention_reference(*doc, positional.slopes, window=positional.window, causal=True)
         alone = KVWindow(positional, backend=steps)
         got_alone = [alone.step(*(t[:, :, :m] for t in doc))] if m else []
         got, pos = [], 0

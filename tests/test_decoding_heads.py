@@ -11,7 +11,7 @@ import torch
 import poslsh
 from poslsh.decoding import (Certificate, CertificateWarning, HeadWindows, KVWindow, certified_window,
                              head_buckets)
-from poslsh.reference import dense_attention
+from poslsh.reference import alibi_attention_reference, dense_attention
 from poslsh.window import make_window
 from poslsh.window.kind import NO_WINDOW
 
@@ -41,7 +41,7 @@ def test_steps_and_chunks_equal_the_dense_oracle_holding_each_heads_window(Hkv):
     wins = [0, 3, 17, 40, 9, NO_WINDOW]
     win = make_window(poslsh.alibi_slopes(6), torch.tensor(wins))
     q, k, v = qkv(2, 6, Hkv, 230, seed=Hkv)
-    want = poslsh.alibi_attention(q, k, v, win.slopes, window=win.window, causal=True)
+    want = alibi_attention_reference(q, k, v, win.slopes, window=win.window, causal=True)
     r = 6 // Hkv
     kv_w = [min(max(wins[j * r:(j + 1) * r]), 2 ** 61) for j in range(Hkv)]
     for chunks in ([1], [1, 1, 3, 40, 1, 17, 2]):
@@ -239,21 +239,21 @@ def test_row_groups_are_one_call_per_offset_holding_exactly_each_rows_real_token
         assert list(row_groups([(0, total)] * 3, q_first, nq, k_first, nk).values()) == [[0, 1, 2]]
 
 
-def test_the_one_tensor_of_a_window_kvwindow_is_built_for_one_release():
-    """KVWindow(window).k / .v: per-head storage has no one tensor; for one release it is built (the kept keys
-    of positions [start, end), zero where a KV head holds fewer), with one deprecation warning."""
-    from poslsh import _compat
+def test_a_window_kvwindow_has_no_one_tensor():
+    """KVWindow(window).k / .v: per-head storage has no one tensor (refused in one line naming what to use);
+    the store gives the kept keys of positions [start, end) in order, zero where a KV head holds fewer."""
     win = make_window(poslsh.alibi_slopes(2), torch.tensor([3, 10]))
     q, k, v = qkv(1, 2, 2, 30)
     cache = KVWindow(win)
     for t in range(30):
         cache.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
-    _compat.reset_warnings()
-    with pytest.warns(_compat.PoslshDeprecationWarning, match="stored per head"):
-        kk = cache.k
+    for name in ("k", "v"):
+        with pytest.raises(AttributeError, match=rf"KVWindow.{name}: .*stores each KV head's own window.*per_head=False"):
+            getattr(cache, name)
+    kk, vv = cache.store.ordered(cache.size)
     assert kk.shape == (1, 2, 11, 8) and cache.start == 19
     assert torch.equal(kk[:, 1], k[:, 1, 19:]) and torch.equal(kk[:, 0, -4:], k[:, 0, 26:])
-    assert float(kk[:, 0, :-4].abs().sum()) == 0 and torch.equal(cache.v[:, 1], v[:, 1, 19:])
+    assert float(kk[:, 0, :-4].abs().sum()) == 0 and torch.equal(vv[:, 1], v[:, 1, 19:])
 
 
 def test_a_chunk_after_widening_runs_token_by_token():

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import poslsh
+from poslsh.reference import alibi_attention_reference
 from poslsh.window.kind import NO_WINDOW
 
 
@@ -37,7 +38,7 @@ def test_head_dim_zero_window_weights_are_alibi():
     v = torch.randn(1, 2, 30, 5, dtype=torch.float64)
     slopes, window = poslsh.alibi_slopes(4), torch.tensor([0, 2, 9, 100])
     out = poslsh.windowed_alibi_attention(q, k, v, slopes, window=window, backend="torch")
-    assert torch.allclose(out, poslsh.alibi_attention(q, k, v, slopes, window=window), atol=1e-12)
+    assert torch.allclose(out, alibi_attention_reference(q, k, v, slopes, window=window), atol=1e-12)
 
 
 def test_head_dim_zero_weights_are_the_counts():
@@ -84,9 +85,9 @@ def test_tiny_sigma_blocks_agree_with_block_ids():
     (lambda: poslsh.sample_partitions([1.0], 3, seed=True), TypeError, "seed must be an int"),
     (lambda: poslsh.poslsh_attention(*(torch.randn(1, 1, 4, 8),) * 3, poslsh.sample_partitions([2.0], 2, seed=0),
                                      scale="0.5"), TypeError, "scale must be a real number"),
-    (lambda: poslsh.window.cost_matched_window(poslsh.alibi_sigmas(2), 0), ValueError,
+    (lambda: poslsh.cost.cost_matched_window(poslsh.alibi_sigmas(2), 0), ValueError,
      "num_samples must be an int >= 1, got 0"),
-    (lambda: poslsh.window.cost_matched_window(poslsh.alibi_sigmas(2), 2.5), ValueError,
+    (lambda: poslsh.cost.cost_matched_window(poslsh.alibi_sigmas(2), 2.5), ValueError,
      "num_samples must be an int >= 1, got 2.5"),
     (lambda: poslsh.windowed_alibi_attention(*(torch.randn(1, 2, 4, 8),) * 3, poslsh.alibi_slopes(2), window=2,
                                              causal="no"), TypeError, "causal must be a bool, got str"),
@@ -125,7 +126,7 @@ def test_windows_past_int64_are_exact_alibi(window, want):
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
                for _ in range(3))
     out = poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=window, causal=True, backend="torch")
-    ref = poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor(want), causal=True)
+    ref = alibi_attention_reference(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor(want), causal=True)
     assert float((out - ref).abs().max()) < 1e-12
 
 
@@ -147,7 +148,8 @@ def test_bad_windows_name_the_value_given(window, err, match):
 
 
 def test_window_rules_past_int64():
-    from poslsh.window import cost_matched_window, windows_in_sigmas
+    from poslsh.cost import cost_matched_window
+    from poslsh.window import windows_in_sigmas
     assert windows_in_sigmas(1e300, [1.0, 2.0]).tolist() == [NO_WINDOW] * 2
     assert windows_in_sigmas(float("inf"), [1.0]).tolist() == [NO_WINDOW]
     assert windows_in_sigmas(2.5, [2.0, 4.0]).tolist() == [5, 10]
@@ -176,10 +178,11 @@ _PARTS = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)
     ("window", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2),
                                                        window=torch.tensor([2, 3], device=_M))),
     ("slopes", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2).to(_M), window=2)),
-    ("sigma", lambda: poslsh.windowed_alibi_attention(_Q, _Q, _Q, sigma=poslsh.alibi_sigmas(2).to(_M), window=2)),
+    ("slopes", lambda: poslsh.PoslshAttention(8, 2, slopes=poslsh.alibi_slopes(2).to(_M))),
     ("sigma", lambda: poslsh.sample_partitions(poslsh.alibi_sigmas(2).to(_M), 3, seed=0)),
-    ("slopes", lambda: poslsh.sample_partitions(slopes=poslsh.alibi_slopes(2).to(_M), num_samples=3, seed=0)),
-    ("slopes", lambda: poslsh.alibi_attention(_Q.double(), _Q.double(), _Q.double(), poslsh.alibi_slopes(2).to(_M))),
+    ("sigma", lambda: poslsh.PartitionSchedule(poslsh.alibi_sigmas(2).to(_M), 3)),
+    ("slopes", lambda: alibi_attention_reference(_Q.double(), _Q.double(), _Q.double(), poslsh.alibi_slopes(2).to(_M))),
+    ("slopes", lambda: poslsh.alibi_attention(_Q, _Q, _Q, poslsh.alibi_slopes(2).to(_M), causal=True)),
     ("slopes", lambda: poslsh.AlibiAttention(8, 2, slopes=poslsh.alibi_slopes(2).to(_M))),
     ("window", lambda: poslsh.AlibiAttention(8, 2, window=torch.tensor([2, 3], device=_M))),
     ("partitions", lambda: poslsh.poslsh_attention(_Q, _Q, _Q, _PARTS.to(_M))),

@@ -72,6 +72,37 @@ def test_module_with_projections_is_the_op(causal):
     assert torch.equal(m(x), m(x)) and not torch.allclose(m(x), out)        # fixed eval partitions
 
 
+@pytest.mark.parametrize("dims,sampler", [(1, "iid"), (1, "grouped"), pytest.param(2, "stratified",
+                                                                                marks=pytest.mark.slow)])
+def test_module_compiles_in_one_graph(dims, sampler):
+    """torch.compile(PoslshAttention, fullgraph=True): training steps (the step symbolic after one
+    recompile, not one graph per step) and evaluation give eager's outputs bitwise (the same
+    partitions: the draw is one custom op with the eager seed); a fullgraph training call without
+    step= is refused, naming step= (the module's own call count cannot live in a graph)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = poslsh.PoslshAttention(32, 4, num_kv_heads=2, num_samples=3, dims=dims, sampler=sampler)
+    x = torch.randn(2, 48, 32, generator=torch.Generator().manual_seed(0))
+    grid = {"grid": (6, 8)} if dims == 2 else {}
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for step in range(4):
+        assert torch.equal(compiled(x, step=step, **grid), layer(x, step=step, **grid)), step
+    layer.eval()
+    assert torch.equal(compiled(x, **grid), layer(x, **grid))
+    print("graphs", counters["stats"]["unique_graphs"])
+    assert counters["stats"]["unique_graphs"] == 3       # a constant step, a symbolic one, evaluation
+    from poslsh.modules import schedule_draw           # its fake kernel gives the real shapes and dtypes
+    torch.library.opcheck(schedule_draw, (layer.schedule.sigma, 3, "train:0:", 5, ":0:4:3", sampler, "", dims,
+                                          torch.device("cpu")), test_utils=("test_schema", "test_faketensor"))
+    layer.train()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="step: under torch.compile a training PoslshAttention "
+                       "needs step="):                 # fullgraph: dynamo reports the module's ValueError
+        torch.compile(layer, fullgraph=True, backend="aot_eager")(x, **grid)
+
+
 def test_module_without_projections_grids_and_documents():
     q, k, v = make_qkv(1, 4, 2, 12, 8)
     m = poslsh.PoslshAttention(num_heads=4, num_kv_heads=2, num_samples=3, causal=False).eval()

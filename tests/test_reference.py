@@ -5,6 +5,7 @@ import torch
 
 import poslsh
 from poslsh import theory
+from poslsh.reference import alibi_attention_reference
 
 from inputs import make_qkv
 
@@ -12,7 +13,7 @@ from inputs import make_qkv
 def test_alibi_attention_matches_explicit_formula():
     q, k, v = make_qkv(2, 4, 2, 33, 8)
     slopes = poslsh.alibi_slopes(4)
-    out = poslsh.alibi_attention(q, k, v, slopes, causal=True)
+    out = alibi_attention_reference(q, k, v, slopes, causal=True)
     kx, vx = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     i = torch.arange(33)
     w = torch.exp(torch.einsum("bhid,bhjd->bhij", q, kx) / math.sqrt(8)) \
@@ -30,7 +31,7 @@ def test_large_s_approaches_alibi_within_theorem_2_2(causal):
     q, k, v = make_qkv(1, H, H, n, 16, seed=1)
     sigma = poslsh.alibi_sigmas(H) * 8       # sigma = 32 .. 2048: beta* well above eps at n = 256
     P = poslsh.sample_partitions(sigma, s, seed=2)
-    exact = poslsh.alibi_attention(q, k, v, 1.0 / sigma, causal=causal)
+    exact = alibi_attention_reference(q, k, v, 1.0 / sigma, causal=causal)
     approx = poslsh.poslsh_attention(q, k, v, P, causal=causal, backend="torch")
     err = (exact - approx).abs().amax((0, 2, 3))
     eps = theory.max_norm_error(P, n)
@@ -49,7 +50,7 @@ def test_reference_rejects_wrong_head_count():
     with pytest.raises(ValueError, match="partitions were built for 2 heads"):
         poslsh.poslsh_attention_reference(q, k, v, poslsh.Partitions.fixed_blocks(2, 4))
     with pytest.raises(ValueError, match="slopes"):
-        poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(3))
+        alibi_attention_reference(q, k, v, poslsh.alibi_slopes(3))
 
 
 # ------------------------------------------------- the oracles' own extensions, against loops
@@ -74,7 +75,7 @@ def test_windowed_alibi_oracle_with_positions_equals_loops(causal):
     q, k, v = make_qkv(1, 4, 2, 6, 3, seed=3)
     k2, v2 = torch.cat([k, k[:, :, :3]], 2), torch.cat([v, v[:, :, :3]], 2)      # 9 keys at positions 2..10
     slopes, window = poslsh.alibi_slopes(4), torch.tensor([0, 1, 3, 100])
-    out, lse = poslsh.alibi_attention(q, k2, v2, slopes, window=window, causal=causal, q_start=5, k_start=2,
+    out, lse = alibi_attention_reference(q, k2, v2, slopes, window=window, causal=causal, q_start=5, k_start=2,
                                       return_lse=True)
 
     def weight(b, h, i, j):
@@ -98,7 +99,7 @@ def test_packed_oracles_equal_loops_with_restarting_positions(causal):
     slopes = 1 / parts.sigma
     oracles = [(lambda *a, **kw: poslsh.poslsh_attention_reference(*a, parts, **kw),
                 lambda h, a, b: float(count[h, a, b])),
-               (lambda *a, **kw: poslsh.alibi_attention(*a, slopes, **kw),
+               (lambda *a, **kw: alibi_attention_reference(*a, slopes, **kw),
                 lambda h, a, b: math.exp(-float(slopes[h]) * abs(a - b)))]
     for oracle, kernel in oracles:
         out, lse = oracle(q, k, v, causal=causal, document_ids=ids, return_lse=True)
@@ -119,11 +120,11 @@ def test_documents_are_checked_at_the_boundary():
     with pytest.raises(ValueError, match="batch of packed rows"):
         poslsh.poslsh_attention_reference(q, k, v, parts, cu_seqlens=torch.tensor([0, 2, 5]))
     with pytest.raises(ValueError, match="end at the sequence length 5"):
-        poslsh.alibi_attention(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0, 2, 4]))
+        alibi_attention_reference(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0, 2, 4]))
     with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
-        poslsh.alibi_attention(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0., 5.]))
+        alibi_attention_reference(q[:1], k[:1], v[:1], poslsh.alibi_slopes(2), cu_seqlens=torch.tensor([0., 5.]))
     with pytest.raises(ValueError, match="window: windows must be >= 0"):
-        poslsh.alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor([1, -1]))
+        alibi_attention_reference(q, k, v, poslsh.alibi_slopes(2), window=torch.tensor([1, -1]))
 
 
 def test_one_positions_rule_unequal_lengths_need_positions():
@@ -135,7 +136,7 @@ def test_one_positions_rule_unequal_lengths_need_positions():
     slopes = poslsh.alibi_slopes(2)
     parts = poslsh.sample_partitions(1 / slopes, 3, seed=0)
     rule = "pass q_start .*q_start = k_start \\+ nk - nq"
-    calls = [lambda: poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True),
+    calls = [lambda: alibi_attention_reference(q[:, :, 6:], k, v, slopes, causal=True),
              lambda: poslsh.poslsh_attention_reference(q[:, :, 6:], k, v, parts, causal=True),
              lambda: dense_attention(q[:, :, 6:], k, v, causal=True),
              lambda: poslsh.alibi.alibi_bias(9, slopes, num_queries=3),
@@ -144,8 +145,8 @@ def test_one_positions_rule_unequal_lengths_need_positions():
     for call in calls:
         with pytest.raises(ValueError, match=rule):
             call()
-    whole = poslsh.alibi_attention(q, k, v, slopes, causal=True)
-    last = poslsh.alibi_attention(q[:, :, 6:], k, v, slopes, causal=True, q_start=6)
+    whole = alibi_attention_reference(q, k, v, slopes, causal=True)
+    last = alibi_attention_reference(q[:, :, 6:], k, v, slopes, causal=True, q_start=6)
     assert torch.equal(last, whole[:, :, 6:])
     bias = poslsh.alibi.alibi_bias(9, slopes, num_queries=3, q_start=6, causal=True)
     assert torch.equal(bias, poslsh.alibi.alibi_bias(9, slopes, causal=True)[:, 6:])

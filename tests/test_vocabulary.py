@@ -13,7 +13,7 @@ import poslsh.reference
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = [poslsh, poslsh.cost, poslsh.theory, poslsh.window, poslsh.reference, poslsh.alibi,
-                  poslsh.partitions, poslsh.partitions_nd, poslsh.decoding]
+                  poslsh.partitions, poslsh.partitions_nd, poslsh.decoding, poslsh.modules]
 
 
 def public_callables(module):
@@ -42,48 +42,74 @@ def params(fn):
 
 
 def test_no_parameter_named_s():
-    """num_samples everywhere (the old keyword s= still works for one release, with a warning)."""
+    """num_samples everywhere."""
     bad = [w for w, fn, _ in ALL if w.split(".")[1] in ("cost", "theory") or w.count(".") == 1
            for p in params(fn) if p == "s"]
     assert not bad, bad
 
 
-# Not the per-head rate of a call: a width law's own scale (the protocol a custom law implements) and
-# the raw fields of the positional objects (what they record; their checked constructors take both:
-# make_window, sample_partitions, sample_partitions_nd).
-NOT_A_RATE = ("poslsh.GammaWidths.", "poslsh.FixedWidth.", "poslsh.AlibiWindow", "poslsh.window.AlibiWindow",
-              "poslsh.Partitions", "poslsh.partitions.Partitions", "poslsh.PartitionsND.from_tensors",
-              "poslsh.partitions_nd.PartitionsND.from_tensors")
+def test_one_word_for_the_rate():
+    """No public function takes both slopes and sigma: each family has one word, and converting is the
+    caller's (poslsh.alibi_sigmas, 1 / slopes)."""
+    both = [where for where, fn, _ in ALL if {"slopes", "sigma"} <= set(params(fn))]
+    assert not both, both
+    seen = {where for where, fn, _ in ALL if set(params(fn)) & {"slopes", "sigma"}}
+    assert {"poslsh.alibi_attention", "poslsh.theory.smallest_window", "poslsh.sample_partitions"} <= seen
 
 
-def test_every_rate_takes_the_other_word():
-    """A public function of the per-head rate takes slopes and sigma, exactly one of them."""
-    missing = []
-    for where, fn, marker in ALL:
-        if where.startswith(NOT_A_RATE):
-            continue
-        names = set(params(fn))
-        if names & {"slopes", "sigma"} and not {"slopes", "sigma"} <= names \
-                and getattr(fn, "rate_words", None) is None and getattr(marker, "rate_words", None) is None:
-            missing.append(where)
-    assert not missing, missing
+OPS_BIASES_MODULES = (poslsh.alibi_attention, poslsh.windowed_alibi_attention, poslsh.alibi.alibi_bias,
+                      poslsh.window.make_window, poslsh.reference.alibi_attention_reference,
+                      poslsh.reference.alibi_attention_reference_nd, poslsh.reference.alibi_bias_nd,
+                      poslsh.AlibiAttention.__init__, poslsh.PoslshAttention.__init__, poslsh.decoding.certified_window)
+SAMPLERS_COST_THEORY = (poslsh.sample_partitions, poslsh.sample_partitions_nd, poslsh.PartitionSchedule.__init__,
+                        poslsh.cost.poslsh_keys_per_query, poslsh.cost.expected_reach, poslsh.cost.cost_matched_window,
+                        poslsh.window.windows_in_sigmas, poslsh.alibi.alibi_matrix, poslsh.reference.alibi_matrix_nd,
+                        poslsh.reference.kernel_attention_nd, poslsh.decoding.cache_bound_whp)
 
 
 def test_the_word_of_each_family():
-    """Ops, biases and modules lead with slopes; samplers, cost and theory with sigma."""
-    for fn in (poslsh.windowed_alibi_attention, poslsh.alibi_attention, poslsh.alibi.alibi_bias,
-               poslsh.window.make_window, poslsh.reference.alibi_attention_nd, poslsh.reference.alibi_bias_nd):
-        assert list(params(fn))[:5].count("slopes") == 1 and "sigma" in params(fn), fn
-    for fn in (poslsh.sample_partitions, poslsh.sample_partitions_nd, poslsh.cost.poslsh_keys_per_query,
-               poslsh.window.cost_matched_window, poslsh.theory.psi, poslsh.theory.spectral_expectation_bound):
-        assert "sigma" in params(fn) and "slopes" not in list(params(fn))[:1], fn
+    """Ops, biases, modules and integrations take slopes; samplers, cost and theory take sigma."""
+    for fn in OPS_BIASES_MODULES:
+        assert "slopes" in params(fn) and "sigma" not in params(fn), fn
+    for fn in SAMPLERS_COST_THEORY:
+        assert "sigma" in params(fn) and "slopes" not in params(fn), fn
+    theory = [getattr(poslsh.theory, n) for n in poslsh.theory.__all__ if callable(getattr(poslsh.theory, n))]
+    assert not [fn for fn in theory if "slopes" in params(fn)]
+    assert sum("sigma" in params(fn) for fn in theory) >= 10
+    from poslsh.integrations import hf
+    assert "sigma" not in params(hf.patch_alibi)
+
+
+def test_window_none_is_no_cut_everywhere():
+    """window=None means one thing wherever it appears: no cut, exact ALiBi (docs/window.md)."""
+    for fn in (poslsh.alibi_attention, poslsh.windowed_alibi_attention, poslsh.window.make_window,
+               poslsh.reference.alibi_attention_reference, poslsh.AlibiAttention.__init__):
+        assert params(fn)["window"].default is None, fn
+    assert poslsh.window.make_window(poslsh.alibi_slopes(2)).window.tolist() == [poslsh.window.NO_WINDOW] * 2
+    assert poslsh.AlibiAttention(num_heads=2, window=None).exact
+
+
+def test_no_shims_left():
+    """0.3.0 keeps no old spelling of 0.2 (CHANGELOG.md lists each and what to write instead)."""
+    import importlib
+    for gone in ("poslsh._compat", "poslsh.window_theory", "poslsh.attention_nd", "poslsh.window.cost"):
+        with pytest.raises(ImportError):
+            importlib.import_module(gone)
+    for module, name in [(poslsh, "alibi_bias"), (poslsh, "make_window"), (poslsh, "poslsh_attention_2d"),
+                         (poslsh.alibi, "AlibiWindow"), (poslsh.cost, "window_error_bound"),
+                         (poslsh.theory, "alibi_window"), (poslsh.decoding, "op_of"),
+                         (poslsh.PartitionsND, "fixed_boxes"), (poslsh.window, "windowed_alibi_attention")]:
+        assert not hasattr(module, name), (module, name)
+    with pytest.raises(ValueError, match="op must be one of"):
+        poslsh.available_backends(op="grid")
 
 
 def test_one_sampler_keyword_and_grid_keyword_only():
     for fn in (poslsh.sample_partitions, poslsh.sample_partitions_nd, poslsh.PartitionSchedule.__init__,
                poslsh.PoslshAttention.__init__):
         assert "sampler" in params(fn) and "method" not in params(fn), fn
-    for fn in (poslsh.poslsh_attention_nd, poslsh.reference.alibi_attention_nd, poslsh.reference.kernel_attention_nd,
+    for fn in (poslsh.poslsh_attention_nd, poslsh.reference.alibi_attention_reference_nd,
+               poslsh.reference.kernel_attention_nd,
                poslsh.reference.poslsh_attention_reference_nd, poslsh.PoslshAttention.attend, poslsh.attend):
         assert params(fn)["grid"].kind is inspect.Parameter.KEYWORD_ONLY, fn
 
@@ -102,12 +128,9 @@ def test_one_argument_order_in_theory(name):
     assert seen == sorted(seen, key=ORDER.index), (name, seen)
 
 
-OLD_NAMES = {"box_bounds", "max_box_size", "fixed_boxes"}       # shims for one release (tests/test_compat.py)
-
-
 def test_one_spelling_for_the_nd_family():
     names = set(dir(poslsh)) | set(dir(poslsh.PartitionsND)) | set(dir(poslsh.reference))
-    assert not [n for n in names - OLD_NAMES if n.endswith("_2d") or "box" in n.lower() and not n.startswith("_")]
+    assert not [n for n in names if n.endswith("_2d") or "box" in n.lower() and not n.startswith("_")]
     assert poslsh.PartitionsND.op == "nd" and "nd" in poslsh.ops.registry.OPS
 
 

@@ -10,6 +10,7 @@ import torch
 
 import poslsh
 from poslsh import theory
+from poslsh.reference import alibi_attention_reference
 
 
 def brute_ratio(w, sigma, n, causal):
@@ -46,8 +47,8 @@ def test_tail_ratio_supremum_is_reached_at_long_lengths(causal):
 
 def _dropped_and_error(q, k, v, slopes, window, causal):
     """max_i delta_i and ||T* - T^w||_max per head, from the dense float64 oracle."""
-    full, lse = poslsh.alibi_attention(q, k, v, slopes, causal=causal, return_lse=True)
-    cut, lse_w = poslsh.alibi_attention(q, k, v, slopes, causal=causal, window=window, return_lse=True)
+    full, lse = alibi_attention_reference(q, k, v, slopes, causal=causal, return_lse=True)
+    cut, lse_w = alibi_attention_reference(q, k, v, slopes, causal=causal, window=window, return_lse=True)
     delta = -torch.expm1(lse_w - lse)                          # 1 - Z_W / (Z_W + Z_D)
     return delta.amax(dim=(0, 2)), (full - cut).abs().amax(dim=(0, 2, 3))
 
@@ -98,13 +99,13 @@ def test_bound_is_attained_by_the_adversarial_instance(n, sigma, w, R, causal):
     k = (dropped.to(torch.float64) * R)[None, None, :, None]
     v = torch.where(dropped, 1.0, -1.0).to(torch.float64)[None, None, :, None]
     delta, _ = _dropped_and_error(q, k, v, torch.tensor([1 / sigma]), w, causal)
-    full = poslsh.alibi_attention(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0)
-    cut = poslsh.alibi_attention(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0, window=w)
+    full = alibi_attention_reference(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0)
+    cut = alibi_attention_reference(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0, window=w)
     err = float((full - cut)[0, 0, i0].abs().max())
     b = float(theory.window_error_bound(w, sigma, R, causal=causal, n=n))
-    full_l, lse = poslsh.alibi_attention(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0,
+    full_l, lse = alibi_attention_reference(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0,
                                          return_lse=True)
-    _, lse_w = poslsh.alibi_attention(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0, window=w,
+    _, lse_w = alibi_attention_reference(q, k, v, torch.tensor([1 / sigma]), causal=causal, scale=1.0, window=w,
                                       return_lse=True)
     delta_i0 = float(-torch.expm1(lse_w - lse)[0, 0, i0])
     assert delta_i0 == pytest.approx(b, rel=1e-9)

@@ -9,7 +9,7 @@
 from .certificate import POLICIES, Certificate, CertificateWarning, certified_window
 from .heads import HeadWindows, head_buckets
 from .stream import (PER_HEAD_STORES, SEQUENCE_KINDS, KVWindow, Positional, attend, cache_bound, cache_bound_whp,
-                     check_positional, document_rows, first_needed, op_of, packed_windows, reach, span_backend)
+                     check_positional, document_rows, first_needed, packed_windows, reach, span_backend)
 
 __all__ = ["Positional", "check_positional", "attend", "reach", "first_needed", "cache_bound", "cache_bound_whp",
            "span_backend", "KVWindow", "document_rows", "packed_windows", "HeadWindows", "head_buckets",

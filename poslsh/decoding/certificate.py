@@ -14,10 +14,10 @@ geometric series, closed form). The kept mass ``Z_W = e^{lse}`` is computed exac
 and the output error against exact ALiBi over every past key is ``|T* - T^w| <= B_i (max_j v_jc - min_j v_jc)``
 per value column ``c`` (``window_error_bound``'s identity ``T* - T^w = delta (T^D - T^w)``), with the value
 range of every value the KV head has held (also kept). ``B_i`` is never below the true dropped mass; it is
-tighter than :func:`poslsh.window.window_error_bound` because ``Z_W`` is measured, not bounded.
+tighter than :func:`poslsh.theory.window_error_bound` because ``Z_W`` is measured, not bounded.
 
 What is **estimated**: the windows themselves. :func:`certified_window` takes them from
-:func:`poslsh.window.smallest_window` at an assumed logit range ``R``; if the inputs' logits spread wider
+:func:`poslsh.theory.smallest_window` at an assumed logit range ``R``; if the inputs' logits spread wider
 than ``R``, a step's ``B_i`` can pass ``tol``, and the policy decides:
 
 * ``"raise"``: a ``ValueError`` naming the layer, head, position and bound (the cache refuses further steps);
@@ -123,16 +123,15 @@ def dropped_mass_bound(lse: Tensor, q_norm: Tensor, key_norm: Tensor, slopes: Te
     return torch.where(count > 0, bound, torch.zeros_like(bound))
 
 
-def certified_window(tol: float, logit_range, *, slopes=None, sigma=None):
-    """The :class:`~poslsh.AlibiWindow` of :func:`poslsh.window.smallest_window` at ``tol`` for the
-    ALiBi ``slopes`` (or ``sigma=``) and an assumed ``logit_range``: the windows a
-    :class:`Certificate` with the same ``tol`` starts from."""
-    from .._compat import one_rate
+def certified_window(tol: float, logit_range, *, slopes):
+    """The :class:`~poslsh.AlibiWindow` of :func:`poslsh.theory.smallest_window` at ``tol`` for the
+    ALiBi ``slopes`` ``[H]`` and an assumed ``logit_range``: the windows a :class:`Certificate` with the
+    same ``tol`` starts from."""
     from ..window.kind import make_window
     from ..window.theory import smallest_window
 
-    m = torch.as_tensor(one_rate(slopes, sigma, want="slopes", where="certified_window"), dtype=torch.float64)
-    return make_window(m, smallest_window(tol, slopes=m, logit_range=logit_range))
+    m = make_window(slopes).slopes                     # checked: finite, >= 0
+    return make_window(m, smallest_window(tol, 1.0 / m, logit_range))
 
 
 def certify_step(store, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:

@@ -37,7 +37,6 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._compat import takes_slopes_too, warn_once
 from ..attention import attend
 from ..documents import make_documents
 from ..ops import load_backends, registry
@@ -54,13 +53,6 @@ PER_HEAD_STORES = {"window": HeadWindows}   # ops whose kinds keep a store per h
 
 def _stream_kind(positional, name: str = "positional") -> Positional:
     return check_positional(positional, name, op=SEQUENCE_KINDS)
-
-
-def op_of(positional: Positional) -> str:
-    """The registry op that serves ``positional``: its ``op`` (kept for one release)."""
-    warn_once("poslsh.decoding.op_of", "poslsh.decoding.op_of(p) is now p.op (every positional object names its "
-              "op); op_of goes in the next release")
-    return check_positional(positional).op
 
 
 def reach(positional: Positional, seq_len: int, positions) -> Tuple[Tensor, Tensor]:
@@ -86,7 +78,6 @@ def cache_bound(positional: Positional, *, per_head: bool = False) -> Union[int,
     return _stream_kind(positional).cache_bound(per_head=per_head)
 
 
-@takes_slopes_too
 def cache_bound_whp(sigma, num_samples: int, delta: float = 0.01) -> float:
     """Eq. (4) per head, maximised over heads: with probability at least ``1 - H * delta``
     the partitions drawn for bandwidths ``sigma`` (``[H]``) and ``num_samples`` samples
@@ -144,9 +135,8 @@ class KVWindow:
 
     @property
     def k(self) -> Optional[Tensor]:
-        """``[B, Hkv, end - start, d]``: the kept keys (shared storage). Per-head storage has no such tensor:
-        for one release this builds it (a copy, zero where a head holds fewer) with a deprecation warning."""
-        return self._k if self.store is None else self._one_tensor()[0]
+        """``[B, Hkv, end - start, d]``: the kept keys (shared storage only)."""
+        return self._shared("k", self._k)
 
     @k.setter
     def k(self, value: Optional[Tensor]) -> None:
@@ -155,19 +145,18 @@ class KVWindow:
     @property
     def v(self) -> Optional[Tensor]:
         """``[B, Hkv, end - start, dv]``: the kept values (see :attr:`k`)."""
-        return self._v if self.store is None else self._one_tensor()[1]
+        return self._shared("v", self._v)
 
     @v.setter
     def v(self, value: Optional[Tensor]) -> None:
         self._v = value
 
-    def _one_tensor(self):
-        warn_once("poslsh.decoding.KVWindow.k", "KVWindow.k / .v of a window cache: windows are stored per head "
-                  "(kept_keys(), nbytes()); the one [B, Hkv, size, d] tensor is built as a copy for one release; "
-                  "KVWindow(window, per_head=False) keeps it")
-        if self.store.K is None:
-            return None, None
-        return self.store.ordered(self.size)
+    def _shared(self, name: str, value: Optional[Tensor]) -> Optional[Tensor]:
+        if self.store is not None:
+            raise AttributeError(f"KVWindow.{name}: a window cache stores each KV head's own window (no one "
+                                 "[B, Hkv, size, d] tensor; kept_keys(), nbytes() say what it holds); "
+                                 "KVWindow(window, per_head=False) keeps one shared tensor")
+        return value
 
     @property
     def size(self) -> int:

@@ -1,11 +1,11 @@
 """Backends of the library's ops, registered in :mod:`.registry`:
-``"torch"`` (:mod:`.torch_impl`, portable near-linear; :mod:`.torch_grid` for the ``"nd"``
-op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed), ``"flex"``
+``"torch"`` (:mod:`.torch`, portable near-linear: :mod:`.torch.ops` for the 1-D ops, :mod:`.torch.grid`
+for the ``"nd"`` op), ``"triton"`` (:mod:`.triton`, fused GPU kernels, when triton is installed), ``"flex"``
 (:mod:`.flex`, PyTorch's FlexAttention, when torch has it) and ``"reference"`` (the dense
 float64-safe oracles of :mod:`poslsh.reference`)."""
 from __future__ import annotations
 
-import torch
+from torch import __version__ as _TORCH_VERSION    # the name ``torch`` here is the subpackage .torch
 
 from .registry import Backend, Call, mark_missing, register_backend, registered, resolve
 
@@ -36,11 +36,11 @@ def load_backends() -> None:
     global _loaded
     if _loaded:
         return
-    from . import torch_impl  # noqa: F401  (registers "torch")
+    from .torch import ops  # noqa: F401  (registers "torch" for the "sequence" and "window" ops)
     everything = ("spans", "documents", "lse")
     register_backend("reference", _reference, op="sequence", features=everything)
     register_backend("reference", _reference, op="window", features=everything)
-    from . import torch_grid  # noqa: F401  (registers "torch" for the "nd" op)
+    from .torch import grid  # noqa: F401  (registers "torch" for the "nd" op)
     register_backend("reference", _reference_grid, op="nd", features=("lse",))
     from . import triton  # (registers "triton" when triton is installed)
     if not triton.AVAILABLE:
@@ -49,5 +49,5 @@ def load_backends() -> None:
     from . import flex  # (registers "flex" when torch has FlexAttention)
     if not flex.AVAILABLE:
         mark_missing("flex", f"it needs FlexAttention (torch.nn.attention.flex_attention), which torch "
-                     f"{torch.__version__} does not have")
+                     f"{_TORCH_VERSION} does not have")
     _loaded = True

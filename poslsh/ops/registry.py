@@ -26,22 +26,16 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from torch import Tensor
 
-from .._compat import warn_once
 from .call import Call
 
 __all__ = ["OPS", "FEATURES", "Call", "Backend", "register_backend", "mark_missing", "registered", "resolve", "reasons",
            "check_op"]
 
 OPS = ("sequence", "window", "nd")
-_RENAMED_OPS = {"grid": "nd"}      # the op's name in 0.2
 
 
 def check_op(op: str) -> str:
-    """``op`` if it is one of :data:`OPS` (its 0.2 name ``"grid"`` works once more, with a warning)."""
-    if op in _RENAMED_OPS:
-        warn_once(f"op={op}", f"op={op!r} is now op={_RENAMED_OPS[op]!r} (one spelling for the N-D family); the old "
-                  "name goes in the next release", stacklevel=4)
-        op = _RENAMED_OPS[op]
+    """``op`` if it is one of :data:`OPS`."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     return op

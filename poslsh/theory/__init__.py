@@ -9,8 +9,8 @@
   window's room, :mod:`poslsh.window.theory`).
 
 One argument order for every function here: what the bound is about first (an ``eps``, a statistic
-of the instance, a window or a tolerance), then ``n`` (and ``d``), ``num_samples``, ``sigma`` (or
-``slopes=`` by keyword), ``delta``, ``C``.
+of the instance, a window or a tolerance), then ``n`` (and ``d``), ``num_samples``, ``sigma``, ``delta``, ``C``. The rate is the bandwidth
+``sigma_h = 1 / m_h`` everywhere here (:func:`poslsh.alibi_sigmas`; from slopes, ``1 / slopes``).
 """
 from .bounds import (alibi_norm_bound, block_size_bound, grouped_max_norm_deviation_bound,
                      grouped_max_norm_tail_probability, max_norm_bound_for, max_norm_deviation_bound,
@@ -20,7 +20,6 @@ from .nd import (delta_p_prime, dense_mask_errors, general_output_error_bound, k
                  realized_output_error_bound)
 from .norms import MaskErrors, mask_error_matvec, mask_error_norms, max_norm_error, spectral_norm_error
 from .output import InstanceStats, delta_p, instance_stats, output_error_bound, smallest_constant
-from ..window.theory import alibi_window  # noqa: F401  (the former name of smallest_window, warns once)
 from .window import logit_range, smallest_window, window_error_bound, window_tail_ratio
 
 __all__ = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-from .._compat import positional_up_to, renamed_keywords, takes_slopes_too
 from ..partitions import Partitions
 
 __all__ = ["psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_tail_probability",
@@ -19,14 +18,12 @@ __all__ = ["psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_ta
 
 
 # ----------------------------------------------------------------- constants
-@takes_slopes_too
 def psi(sigma: float) -> float:
     """``Psi_sigma = 1 + sigma + (e^{1/sigma} + 1) / (e^{1/sigma} - 1)``."""
     _check_sigma(sigma)
     return 1.0 + sigma + alibi_norm_bound(sigma)
 
 
-@takes_slopes_too
 def alibi_norm_bound(sigma: float) -> float:
     """Lemma 3.7: ``||L*|| <= (e^{1/sigma} + 1) / (e^{1/sigma} - 1) = coth(1 / (2 sigma))``."""
     _check_sigma(sigma)
@@ -49,8 +46,6 @@ def _check_delta(delta: float, upper: float = 1.0) -> None:
 
 
 # ------------------------------------------------------------ Theorem 2.1
-@renamed_keywords(s="num_samples")
-@takes_slopes_too
 def spectral_expectation_bound(n: int, num_samples: int, sigma: float, C: float = 1.0) -> float:
     """Eq. (1): ``E||L* - M~|| <= C Psi (sqrt(log n / s) + log n / s)``, ``s = num_samples``."""
     s = num_samples
@@ -59,8 +54,6 @@ def spectral_expectation_bound(n: int, num_samples: int, sigma: float, C: float 
     return C * psi(sigma) * (math.sqrt(ln / s) + ln / s)
 
 
-@renamed_keywords(s="num_samples")
-@takes_slopes_too
 def spectral_tail_probability(eps: float, n: int, num_samples: int, sigma: float, C: float = 1.0) -> float:
     """Eq. (2): ``Pr[||L* - M~|| >= eps] <= n exp(-C s min(eps^2/Psi^2, eps/Psi))`` (capped at 1)."""
     s = num_samples
@@ -69,8 +62,6 @@ def spectral_tail_probability(eps: float, n: int, num_samples: int, sigma: float
     return min(1.0, n * math.exp(-C * s * min(r * r, r)))
 
 
-@renamed_keywords(s="num_samples")
-@takes_slopes_too
 def spectral_deviation_bound(n: int, num_samples: int, sigma: float, delta: float, C: float = 1.0) -> float:
     """The ``eps`` at which eq. (2)'s tail probability equals ``delta``."""
     s = num_samples
@@ -80,7 +71,6 @@ def spectral_deviation_bound(n: int, num_samples: int, sigma: float, delta: floa
     return psi(sigma) * (math.sqrt(x) if x <= 1.0 else x)
 
 
-@renamed_keywords(s="num_samples")
 def max_norm_tail_probability(eps: float, n: int, num_samples: int) -> float:
     """Eq. (3): ``Pr[||L* - M~||_max >= eps] <= 2 n^2 exp(-2 s eps^2)`` (capped at 1), ``s = num_samples``."""
     s = num_samples
@@ -88,7 +78,6 @@ def max_norm_tail_probability(eps: float, n: int, num_samples: int) -> float:
     return min(1.0, 2.0 * n * n * math.exp(-2.0 * s * eps * eps))
 
 
-@renamed_keywords(s="num_samples")
 def max_norm_deviation_bound(n: int, num_samples: int, delta: float) -> float:
     """The ``eps`` at which eq. (3) gives confidence ``1 - delta``: ``sqrt(log(2 n^2/delta) / (2 s))``."""
     s = num_samples
@@ -150,9 +139,6 @@ def max_norm_bound_for(partitions: Partitions, n: int, delta: float) -> float:
     return grouped_max_norm_deviation_bound(n, partitions.effective_groups(), delta)
 
 
-@renamed_keywords(s="num_samples")
-@positional_up_to(0, "num_samples, sigma, delta")
-@takes_slopes_too
 def block_size_bound(*, num_samples: int, sigma: float, delta: float) -> float:
     """Eq. (4): ``Pr[b_max > 1 + sigma (3 ln(s/delta) + 2)] < delta`` for ``delta in (0, 1/e)``, ``s = num_samples``
     (keyword-only: the order of 0.2 was ``(sigma, s, delta)``)."""
@@ -163,8 +149,6 @@ def block_size_bound(*, num_samples: int, sigma: float, delta: float) -> float:
     return 1.0 + sigma * (3.0 * math.log(s / delta) + 2.0)
 
 
-@renamed_keywords(s="num_samples")
-@takes_slopes_too
 def runtime_bound(n: int, d: int, num_samples: int, sigma: float, delta: float) -> float:
     """Theorem 2.2 item 1 (up to constants): ``n d (sigma s log(s/delta) + 1)`` operations, ``s = num_samples``."""
     s = num_samples

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._compat import renamed_keywords
 from .bounds import _check_delta, _check_ns
 from .norms import MaskErrors
 from .output import InstanceStats
@@ -58,7 +57,6 @@ def kernel_instance_stats(q: Tensor, k: Tensor, L: Tensor, *, causal: bool = Fal
     return InstanceStats((P * L.to(P)).sum(-1).amin(-1), P.pow(2).sum(-1).sqrt().amax(-1))
 
 
-@renamed_keywords(s="num_samples")
 def delta_p_prime(n: int, num_samples: int, delta: float, C: float = 1.0) -> float:
     """Section 5: ``Delta'_P = C sqrt(log(n/delta) / s)``, ``s = num_samples`` (any positional LSH; no Psi,
     no ``||P||_{2,inf}``)."""
@@ -68,7 +66,6 @@ def delta_p_prime(n: int, num_samples: int, delta: float, C: float = 1.0) -> flo
     return C * math.sqrt(math.log(n / delta) / s)
 
 
-@renamed_keywords(s="num_samples")
 def general_output_error_bound(beta_star: float, v_max: float, n: int, num_samples: int, delta: float,
                                C: float = 1.0) -> float:
     """Theorem 2.2 for any positional LSH: ``||T - T~||_max <= 2 Delta'_P / (beta* - Delta'_P) ||V||_max``

@@ -8,7 +8,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._compat import positional_up_to, renamed_keywords, takes_slopes_too
 from ..partitions import Partitions
 from ..widths import GammaWidths
 
@@ -82,9 +81,6 @@ def _toeplitz_exp_matvec(x, sigma: float):
     return np.fft.irfft(np.fft.rfft(circ) * fx, n=2 * n)[:n]
 
 
-@renamed_keywords(s="num_samples")
-@positional_up_to(2, "start, end, n, num_samples, sigma")
-@takes_slopes_too
 def mask_error_matvec(start, end, *, n: int, num_samples: int, sigma: float):
     """``x -> (L* - M~) x`` for one head in ``O(n log n + #blocks)`` (numpy arrays); ``M~ x`` is a
     sum of per-block sums computed with prefix sums (no matrix). Keyword-only after ``end`` (the order

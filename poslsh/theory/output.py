@@ -8,7 +8,6 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._compat import positional_up_to, renamed_keywords, takes_slopes_too
 from .bounds import _check_delta, _check_ns, psi
 
 __all__ = ["InstanceStats", "instance_stats", "delta_p", "output_error_bound", "smallest_constant"]
@@ -20,14 +19,13 @@ class InstanceStats(NamedTuple):
     p_2inf: Tensor      # [H] ||P||_{2,inf} = max_i sqrt(sum_j P_ij^2)
 
 
-@takes_slopes_too
 def instance_stats(q: Tensor, k: Tensor, sigma: Tensor, *, causal: bool = True,
                    scale: Optional[float] = None, row_chunk: int = 512) -> InstanceStats:
     """``beta*_P`` and ``||P||_{2,inf}`` of an attention instance (dense, row-chunked).
 
     Args:
         q, k: ``[H, n, d]`` (keys already expanded to the query heads for GQA).
-        sigma: ``[H]`` bandwidths (or ``slopes=``, ``1 / sigma``).
+        sigma: ``[H]`` bandwidths ``1 / m_h``.
     """
     H, n, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -48,9 +46,6 @@ def instance_stats(q: Tensor, k: Tensor, sigma: Tensor, *, causal: bool = True,
     return InstanceStats(beta, p2)
 
 
-@renamed_keywords(s="num_samples")
-@positional_up_to(1, "p_2inf, n, num_samples, sigma, delta, C")
-@takes_slopes_too
 def delta_p(p_2inf: float, *, n: int, num_samples: int, sigma: float, delta: float, C: float = 1.0) -> float:
     """``Delta_P = C min(Psi ||P||_{2,inf}, 1) sqrt(log(n/delta) / s)``, ``s = num_samples`` (keyword-only
     after ``p_2inf``: the order of 0.2 was ``(p_2inf, sigma, n, s, delta, C)``)."""
@@ -60,9 +55,6 @@ def delta_p(p_2inf: float, *, n: int, num_samples: int, sigma: float, delta: flo
     return C * min(psi(sigma) * p_2inf, 1.0) * math.sqrt(math.log(n / delta) / s)
 
 
-@renamed_keywords(s="num_samples")
-@positional_up_to(3, "beta_star, p_2inf, v_max, n, num_samples, sigma, delta, C")
-@takes_slopes_too
 def output_error_bound(beta_star: float, p_2inf: float, v_max: float, *, n: int, num_samples: int, sigma: float,
                        delta: float, C: float = 1.0) -> float:
     """Theorem 2.2 item 2: ``||T* - T~||_max <= 2 Delta_P / (beta* - Delta_P) ||V||_max``
@@ -72,9 +64,6 @@ def output_error_bound(beta_star: float, p_2inf: float, v_max: float, *, n: int,
     return 2.0 * dp / (beta_star - dp) * v_max if dp < beta_star else float("inf")
 
 
-@renamed_keywords(s="num_samples")
-@positional_up_to(4, "observed_error, beta_star, p_2inf, v_max, n, num_samples, sigma, delta")
-@takes_slopes_too
 def smallest_constant(observed_error: float, beta_star: float, p_2inf: float, v_max: float, *,
                       n: int, num_samples: int, sigma: float, delta: float) -> Tuple[float, bool]:
     """The smallest ``C`` for which Theorem 2.2's bound covers ``observed_error`` (keyword-only after

@@ -1,23 +1,21 @@
 """The window: exact ALiBi cut at a window per head, positional LSH's strongest rival and the
-library's recommendation for approximating ALiBi at long context. Everything about it is here:
+library's recommendation for approximating ALiBi at long context. Its pieces sit on their floors
+(``docs/architecture.md``), so this package's face is its lowest one, the positional object:
 
-* :mod:`.kind`: the positional object :class:`AlibiWindow` (:mod:`poslsh.positional`),
-  :func:`make_window`, the ``w_h = c sigma_h`` rule :func:`windows_in_sigmas`;
-* :mod:`.theory`: how much the cut loses (:func:`window_error_bound`, attainable), the smallest window
-  for a tolerance (:func:`smallest_window`), and :func:`logit_range` (the bound's ``R`` on an input);
-* :mod:`.cost`: keys per query (:func:`window_keys_per_query`) and the window of positional LSH's cost
-  (:func:`cost_matched_window`);
-* :mod:`.op`: :func:`windowed_alibi_attention` (every backend: torch, Triton, flex, reference);
-  its module, :class:`poslsh.AlibiAttention`, is in :mod:`poslsh.modules`.
+* :mod:`.kind` (here): :class:`AlibiWindow`, :func:`make_window` (``window=None``: no cut, exact ALiBi),
+  the ``w_h = c sigma_h`` rule :func:`windows_in_sigmas`, :data:`NO_WINDOW`;
+* :mod:`.theory` (also :mod:`poslsh.theory`): how much the cut loses (:func:`~.theory.window_error_bound`,
+  attainable), the smallest window for a tolerance (:func:`~.theory.smallest_window`), and
+  :func:`~.theory.logit_range` (the bound's ``R`` on an input);
+* :mod:`.op`: :func:`poslsh.alibi_attention` (exact ALiBi, or cut at ``window=``) and its name with the
+  window in front, :func:`poslsh.windowed_alibi_attention`, on every backend; the module,
+  :class:`poslsh.AlibiAttention`, is in :mod:`poslsh.modules`.
 
-The backends' window kernels live with the backends (``ops/torch_plan.window_row_bounds``, the
-tiles' Toeplitz bias, ``ops/triton/_window.py``, ``ops/flex.py``); the dense oracle is
-:func:`poslsh.alibi_attention` with ``window=``.
+Keys per query and the window of positional LSH's cost are in :mod:`poslsh.cost`. The backends' window
+kernels live with the backends (``ops/torch/plan.window_row_bounds``, ``ops/torch/band.py``,
+``ops/triton/_window.py``, ``ops/flex.py``); the dense oracle is
+:func:`poslsh.reference.alibi_attention_reference`.
 """
-from .cost import cost_matched_window, window_keys_per_query
-from .kind import AlibiWindow, make_window, windows_in_sigmas
-from .op import windowed_alibi_attention
-from .theory import logit_range, smallest_window, window_error_bound, window_tail_ratio
+from .kind import NO_WINDOW, AlibiWindow, make_window, windows_in_sigmas
 
-__all__ = ["AlibiWindow", "make_window", "windows_in_sigmas", "windowed_alibi_attention", "window_error_bound",
-           "smallest_window", "window_tail_ratio", "logit_range", "window_keys_per_query", "cost_matched_window"]
+__all__ = ["AlibiWindow", "make_window", "windows_in_sigmas", "NO_WINDOW"]

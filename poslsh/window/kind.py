@@ -15,7 +15,6 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._compat import one_rate
 from .._validation import check_has_values, require_values as _require
 from ..alibi import as_per_head
 from ..positional import Positional
@@ -125,19 +124,16 @@ def as_windows(values: Tensor) -> Tensor:
     return torch.where(t >= _PAST_INT64, torch.full_like(cast, NO_WINDOW), cast)
 
 
-def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads: Optional[int] = None, *,
-                sigma=None) -> AlibiWindow:
-    """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``; or ``sigma=`` ``[H]``, ``slopes = 1 / sigma``) and
-    ``window`` (one for every head, or ``[H]`` as a sequence or a tensor; whole numbers ``>= 0``, and a
-    window past int64 or ``inf`` is :data:`NO_WINDOW`, exact ALiBi) into an :class:`AlibiWindow`;
-    ``num_heads``, when given, must match."""
-    slopes = one_rate(slopes, sigma, want="slopes", where="make_window")
-    m = as_per_head(slopes, "slopes").detach().to(torch.float64)
+def make_window(slopes, window: Union[int, Tensor, None] = None, num_heads: Optional[int] = None) -> AlibiWindow:
+    """Validate ALiBi ``slopes`` (``[H]``, finite, ``>= 0``) and ``window`` (one for every head, or ``[H]`` as a
+    sequence or a tensor; whole numbers ``>= 0``; ``None``, ``inf`` or a window past int64: :data:`NO_WINDOW`,
+    no cut, exact ALiBi) into an :class:`AlibiWindow`; ``num_heads``, when given, must match."""
+    m = as_per_head(check_has_values(slopes, "slopes"), "slopes").detach().to(torch.float64)
     _require(torch.isfinite(m).all() & (m >= 0).all(), "slopes: ALiBi slopes must be finite and >= 0")
     if num_heads is not None and m.numel() != num_heads:
         raise ValueError(f"slopes: got {m.numel()} slopes for {num_heads} query heads")
     if window is None:
-        raise TypeError("make_window: pass window= (an int, or int [H]: keys with |i - j| <= window attend)")
+        window = NO_WINDOW
     if isinstance(window, (list, tuple)):
         window = torch.tensor([_scalar_window(x) for x in window], dtype=torch.int64)
     if isinstance(window, Tensor) and window.dim() <= 1 and not window.dtype.is_complex and window.dtype != torch.bool:
@@ -161,13 +157,13 @@ def make_window(slopes=None, window: Union[int, Tensor, None] = None, num_heads:
     return AlibiWindow(m, w)
 
 
-def windows_in_sigmas(c: float, sigma=None, *, slopes=None) -> Tensor:
-    """``w_h = ceil(c sigma_h)`` (int64 ``[H]``; ``sigma`` ``[H]``, or by keyword ``slopes=``): the dropped keys
+def windows_in_sigmas(c: float, sigma) -> Tensor:
+    """``w_h = ceil(c sigma_h)`` (int64 ``[H]``; ``sigma`` ``[H]``, ``1 / slopes``): the dropped keys
     weigh at most ``e^{-c}`` each, relative to the query itself. ``c >= 0`` (``inf``: exact ALiBi); a window
     past int64 is :data:`NO_WINDOW`."""
     if isinstance(c, Tensor) and c.numel() == 1:
         c = float(c)
     if isinstance(c, bool) or not isinstance(c, numbers.Real) or math.isnan(c) or c < 0:
         raise ValueError(f"c must be a number >= 0 (the window in units of sigma_h), got {c!r}")
-    sig = as_per_head(one_rate(slopes, sigma, want="sigma", where="windows_in_sigmas"), "sigma").to(torch.float64)
+    sig = as_per_head(check_has_values(sigma, "sigma"), "sigma").to(torch.float64)
     return as_windows(torch.ceil(sig * float(c) - 1e-9))

@@ -57,10 +57,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .._compat import one_rate, warn_once
 from .kind import NO_WINDOW
 
-__all__ = ["window_tail_ratio", "window_error_bound", "smallest_window", "logit_range", "alibi_window"]
+__all__ = ["window_tail_ratio", "window_error_bound", "smallest_window", "logit_range"]
 
 Number = Union[int, float, Tensor]
 
@@ -115,27 +114,24 @@ def _log_rho(w: Tensor, sigma: Tensor, causal: bool, n: Optional[int]) -> Tensor
     return torch.maximum(log_edge, log_mid)
 
 
-def window_tail_ratio(w: Number, sigma: Optional[Number] = None, *, slopes: Optional[Number] = None, causal: bool = True,
-                      n: Optional[int] = None) -> Tensor:
+def window_tail_ratio(w: Number, sigma: Number, *, causal: bool = True, n: Optional[int] = None) -> Tensor:
     """``rho = max_i T_i / S_i``: the ALiBi kernel's mass outside the window over its mass inside,
     at the worst query (closed form, see the module docstring), float64 ``[H]``.
 
     Args:
         w: window (an int, or ``[H]`` whole numbers ``>= 0``): keys with ``|i - j| <= w`` are kept.
-        sigma: bandwidth(s) ``1 / m_h`` (a number or ``[H]``), ``> 0``; or by keyword ``slopes=`` (``m_h``).
+        sigma: bandwidth(s) ``1 / m_h`` (a number or ``[H]``), ``> 0``.
         causal: keys ``j <= i`` only.
         n: sequence length; ``None``: the supremum over every length.
     """
-    sigma = one_rate(slopes, sigma, want="sigma", where="window_tail_ratio")
     w_t, sig = _broadcast(w=_per_head(w, "w", integer=True), sigma=_per_head(sigma, "sigma"))
     if bool((sig <= 0).any()):
         raise ValueError(f"sigma must be > 0, got {sig.tolist()}")
     return torch.exp(_log_rho(w_t, sig, bool(causal), _check_n(n)))
 
 
-def window_error_bound(w: Number, sigma: Optional[Number] = None, logit_range: Optional[Number] = None, *,
-                       slopes: Optional[Number] = None, causal: bool = True, n: Optional[int] = None,
-                       value_range: Optional[Number] = None) -> Tensor:
+def window_error_bound(w: Number, sigma: Number, logit_range: Number, *, causal: bool = True,
+                       n: Optional[int] = None, value_range: Optional[Number] = None) -> Tensor:
     """Upper bound on what cutting exact ALiBi at window ``w`` loses, per head (float64 ``[H]``).
 
     Without ``value_range``: the dropped fraction of every query's softmax mass,
@@ -145,15 +141,12 @@ def window_error_bound(w: Number, sigma: Optional[Number] = None, logit_range: O
 
     Args:
         w: window (int or ``[H]``), keys with ``|i - j| <= w`` kept.
-        sigma: ALiBi bandwidths ``1 / m_h`` (number or ``[H]``); or by keyword ``slopes=`` (``m_h``).
+        sigma: ALiBi bandwidths ``1 / m_h`` (number or ``[H]``).
         logit_range: ``R >= max_{dropped j} s_ij - min_{kept j} s_ij`` for every query, e.g. the spread
             ``max_j s_ij - min_j s_ij`` of the unbiased logits ``s_ij = scale q_i . k_j`` (number or ``[H]``).
         causal: keys ``j <= i`` only. n: sequence length (``None``: any length, the supremum).
         value_range: see above (number or ``[H]``).
     """
-    sigma = one_rate(slopes, sigma, want="sigma", where="window_error_bound")
-    if logit_range is None:
-        raise TypeError("window_error_bound: pass logit_range (R, a bound on the spread of the logits)")
     named = dict(w=_per_head(w, "w", integer=True), sigma=_per_head(sigma, "sigma"),
                  logit_range=_per_head(logit_range, "logit_range"))
     if value_range is not None:
@@ -171,9 +164,8 @@ def window_error_bound(w: Number, sigma: Optional[Number] = None, logit_range: O
     return bound * vr[0]
 
 
-def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Optional[Number] = None, *,
-                    slopes: Optional[Number] = None, causal: bool = True, n: Optional[int] = None,
-                    value_range: Optional[Number] = None) -> Tensor:
+def smallest_window(tol: Number, sigma: Number, logit_range: Number, *, causal: bool = True,
+                    n: Optional[int] = None, value_range: Optional[Number] = None) -> Tensor:
     """The smallest window per head whose :func:`window_error_bound` is ``<= tol``: int64 ``[H]``
     (``w - 1`` misses the tolerance, unless ``w = 0``; past ``2^53`` the bound is evaluated at the
     float64 nearest each window). With ``n`` the window never exceeds ``n - 1`` (which drops nothing);
@@ -185,12 +177,9 @@ def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Op
     Args:
         tol: the tolerance (``> 0``; number or ``[H]``) on the dropped mass, or on ``||T* - T^w||_max``
             when ``value_range`` is given.
-        sigma: ALiBi bandwidths ``1 / m_h`` (number or ``[H]``); or by keyword ``slopes=`` (``m_h``).
+        sigma: ALiBi bandwidths ``1 / m_h`` (number or ``[H]``).
         logit_range, causal, n, value_range: as in :func:`window_error_bound`.
     """
-    sigma = one_rate(slopes, sigma, want="sigma", where="smallest_window")
-    if logit_range is None:
-        raise TypeError("smallest_window: pass logit_range (R, a bound on the spread of the logits)")
     named = dict(tol=_per_head(tol, "tol"), sigma=_per_head(sigma, "sigma"),
                  logit_range=_per_head(logit_range, "logit_range"))
     if value_range is not None:
@@ -235,15 +224,6 @@ def smallest_window(tol: Number, sigma: Optional[Number] = None, logit_range: Op
         ok = bound(mid.clamp(min=0).to(torch.float64)) <= tl
         hi_i, lo_i = torch.where(ok & active, mid, hi_i), torch.where(~ok & active, mid, lo_i)
     return torch.where(beyond, torch.full_like(hi_i, NO_WINDOW), hi_i)
-
-
-def alibi_window(sigma: Number, tol: Number, logit_range: Number, **kwargs) -> Tensor:
-    """The former name of :func:`smallest_window` (whose order is ``(tol, sigma, logit_range)``), kept
-    for one release in its old order ``(sigma, tol, logit_range)``."""
-    warn_once("poslsh.theory.alibi_window", "poslsh.theory.alibi_window(sigma, tol, logit_range) is now "
-              "poslsh.window.smallest_window(tol, sigma, logit_range) (AlibiWindow is the positional object); the "
-              "old name goes in the next release")
-    return smallest_window(tol, sigma, logit_range, **kwargs)
 
 
 def logit_range(q: Tensor, k: Tensor, *, causal: bool = True, scale: Optional[float] = None,

@@ -7,6 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
+from poslsh.reference import alibi_attention_reference  # noqa: E402
 from poslsh.seeding import stable_seed  # noqa: E402
 
 H, KV, D = 4, 2, 8   # GQA: 2 query heads per key/value head
@@ -103,7 +104,7 @@ def test_fixed_blocks_matches_poslsh_attention_inside_model():
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_alibi_matches_exact_alibi(family):
     model = tiny_model("alibi", family)
-    ref = _reference_impl("test_alibi_ref", lambda m, q, k, v, sc: poslsh.alibi_attention(
+    ref = _reference_impl("test_alibi_ref", lambda m, q, k, v, sc: alibi_attention_reference(
         q, k, v, poslsh.alibi_slopes(q.shape[1]), causal=True, scale=sc))
     x = ids()
     torch.testing.assert_close(_logits_with(model, "alibi", x), _logits_with(model, ref, x), rtol=1e-9, atol=1e-9)

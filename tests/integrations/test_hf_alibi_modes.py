@@ -9,7 +9,9 @@ pytest.importorskip("transformers")
 import poslsh  # noqa: E402
 from poslsh.integrations.hf import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
 from poslsh.integrations.hf.alibi.layer import certified_logit_range  # noqa: E402
-from poslsh.window import logit_range, make_window, smallest_window  # noqa: E402
+from poslsh.reference import alibi_attention_reference  # noqa: E402
+from poslsh.theory import logit_range, smallest_window  # noqa: E402
+from poslsh.window import make_window  # noqa: E402
 
 from alibi_reference import left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402
 
@@ -66,8 +68,8 @@ def test_the_certified_logit_range_bounds_the_measured_one_and_the_dropped_mass(
     for tol in (1e-2, 1e-4):
         w = smallest_window(tol, 1 / slopes, R, n=300)
         assert (w < 299).any()
-        cut = poslsh.alibi_attention(q, k, v, slopes, causal=True, scale=0.35, window=w)
-        full = poslsh.alibi_attention(q, k, v, slopes, causal=True, scale=0.35)
+        cut = alibi_attention_reference(q, k, v, slopes, causal=True, scale=0.35, window=w)
+        full = alibi_attention_reference(q, k, v, slopes, causal=True, scale=0.35)
         vrange = (v.amax(2) - v.amin(2)).amax()
         assert (cut - full).abs().max() <= tol * vrange      # |T* - T^w| <= delta (max v - min v)
 
@@ -230,7 +232,7 @@ def test_one_layer_equals_poslsh_alibi_attention_with_its_windows(window):
         stats = alibi_stats(model)[1]
         w = stats["window"] if window is not None else None
         slopes = torch.tensor(stats["slopes"], dtype=torch.float64)
-        ctx = poslsh.alibi_attention(q, k, v, slopes, causal=True, scale=attn.inv_norm_factor,
+        ctx = alibi_attention_reference(q, k, v, slopes, causal=True, scale=attn.inv_norm_factor,
                                      window=None if w is None else torch.tensor(w))
         want = attn.dense(ctx.transpose(1, 2).reshape(2, 50, 24))
     assert (got - want).abs().max() <= 1e-12

@@ -16,6 +16,7 @@ from poslsh.integrations.hf import cache as hf_cache  # noqa: E402
 from poslsh.integrations.hf.config import positional_config  # noqa: E402
 from poslsh.integrations.hf.schemes.convert import attention_modules  # noqa: E402
 from poslsh.integrations.hf.schemes.state import layer_state  # noqa: E402
+from poslsh.reference import alibi_attention_reference  # noqa: E402
 from poslsh.window import make_window  # noqa: E402
 
 WINDOWS = [4, 9, 17, 40]
@@ -205,7 +206,7 @@ def test_attend_window_is_the_entry_point_of_an_attention_with_per_head_windows(
         assert cache.get_seq_length() == pos and cache.get_mask_sizes(1, 0) == (1, pos)
     got = torch.cat(outs, 2)
     for b, p in enumerate(pads):
-        want = poslsh.alibi_attention(q[b:b + 1, :, p:], k[b:b + 1, :, p:], v[b:b + 1, :, p:], win.slopes,
+        want = alibi_attention_reference(q[b:b + 1, :, p:], k[b:b + 1, :, p:], v[b:b + 1, :, p:], win.slopes,
                                       window=win.window, causal=True)
         assert float((got[b:b + 1, :, p:] - want).abs().max()) < 1e-12
     assert cache.kept_keys().tolist() == [[w + 1 for w in WINDOWS]] * 2

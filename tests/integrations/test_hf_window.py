@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
-from poslsh.window import cost_matched_window  # noqa: E402
+from poslsh.cost import cost_matched_window  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
 from poslsh.integrations.hf.schemes import attention as hf_attention  # noqa: E402
 

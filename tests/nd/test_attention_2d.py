@@ -6,7 +6,7 @@ import torch
 
 import poslsh
 from poslsh.attention import poslsh_attention_nd
-from poslsh.ops import torch_grid
+from poslsh.ops.torch import grid as torch_grid
 from poslsh.partitions_nd import PartitionsND, grid_coords, sample_partitions_nd
 from poslsh.reference import poslsh_attention_reference_nd
 

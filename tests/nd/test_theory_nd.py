@@ -9,7 +9,7 @@ import poslsh
 from poslsh import theory
 from poslsh.widths import GammaWidths
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd
-from poslsh.reference import (alibi_attention_nd, alibi_bias_nd, alibi_matrix_nd, kernel_attention_nd,
+from poslsh.reference import (alibi_attention_reference_nd, alibi_bias_nd, alibi_matrix_nd, kernel_attention_nd,
                                  poslsh_attention_reference_nd)
 from poslsh.reference import dense_attention
 
@@ -79,7 +79,7 @@ def test_theorem_2_2_with_delta_p_prime(causal):
     sigma = torch.tensor([6.0, 20.0])
     q, k, v = make_qkv(1, 2, n, 4, seed=1)
     L = alibi_matrix_nd(coords, sigma)
-    exact = alibi_attention_nd(q, k, v, 1 / sigma, grid=grid, causal=causal)
+    exact = alibi_attention_reference_nd(q, k, v, 1 / sigma, grid=grid, causal=causal)
     stats = theory.kernel_instance_stats(q[0], k[0], L, causal=causal)
     C = theory.max_norm_deviation_bound(n, s, delta) / theory.delta_p_prime(n, s, delta)
     v_max = v.abs().max().item()
@@ -115,10 +115,10 @@ def test_alibi_nd_references():
     L = torch.exp(-(x[:, None] - x[None]).abs().sum(-1)[None] / sigma[:, None, None])
     w = torch.exp(torch.einsum("bhid,bhjd->bhij", q, k) / 8 ** 0.5) * L
     by_hand = torch.einsum("bhij,bhjd->bhid", w / w.sum(-1, keepdim=True), v)
-    exact = alibi_attention_nd(q, k, v, 1 / sigma, grid=grid)
+    exact = alibi_attention_reference_nd(q, k, v, 1 / sigma, grid=grid)
     assert (exact - by_hand).abs().max().item() < 1e-13
     assert (kernel_attention_nd(q, k, v, sigma, grid=grid) - exact).abs().max().item() < 1e-13
-    coords_exact = alibi_attention_nd(q, k, v, 1 / sigma, coords=grid_coords(*grid), causal=True)
+    coords_exact = alibi_attention_reference_nd(q, k, v, 1 / sigma, coords=grid_coords(*grid), causal=True)
     assert (coords_exact - dense_attention(q, k, v, alibi_bias_nd(grid_coords(*grid), 1 / sigma), causal=True)
             ).abs().max().item() < 1e-14
     approx = poslsh_attention_reference_nd(q, k, v, sample_partitions_nd(sigma, 20000, seed=0), grid=grid)
@@ -143,6 +143,6 @@ def test_reference_errors():
     with pytest.raises(ValueError, match="coords give 5 tokens but q has seqlen 12"):
         poslsh_attention_reference_nd(q, k, v, P, coords=grid_coords(1, 5))
     with pytest.raises(ValueError, match=r"slopes must be \[H\] or \[H, 2\]"):
-        alibi_attention_nd(q, k, v, torch.ones(2, 3), grid=(3, 4))
+        alibi_attention_reference_nd(q, k, v, torch.ones(2, 3), grid=(3, 4))
     with pytest.raises(ValueError, match="got 3 slopes for 2 query heads"):
-        alibi_attention_nd(q, k, v, torch.ones(3), grid=(3, 4))
+        alibi_attention_reference_nd(q, k, v, torch.ones(3), grid=(3, 4))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.ops import torch_grid, torch_impl
+from poslsh.ops.torch import grid as torch_grid, ops as torch_ops
 
 from inputs import assert_compiles_like_eager
 
@@ -101,9 +101,8 @@ def test_module_compiled_like_eager(dims):
     def fn(x, *_):
         return module(x, step=3, grid=grid)
 
-    # (not fullgraph: a training step draws its partitions from a seed hash, which dynamo does not trace)
-    assert_compiles_like_eager(fn, x, *weights, backend="inductor", out_tol=OUT_TOL, grad_tol=GRAD_TOL,
-                               fullgraph=False)
+    # fullgraph: the draw of a step's partitions is one custom op (poslsh::schedule_draw)
+    assert_compiles_like_eager(fn, x, *weights, backend="inductor", out_tol=OUT_TOL, grad_tol=GRAD_TOL)
 
 
 @pytest.mark.parametrize("op,name", [("sequence", "fwd"), ("sequence", "bwd"), ("window", "fwd"), ("window", "bwd"),
@@ -120,8 +119,8 @@ def test_custom_ops_fake_kernels_match_real_ones_on_transposed_inputs(op, name):
         a, b_ = (poslsh.sample_partitions(poslsh.alibi_sigmas(HQ), 3, seed=0).widths,
                  poslsh.sample_partitions(poslsh.alibi_sigmas(HQ), 3, seed=0).offsets) if op == "sequence" else \
             (SLOPES, WINDOWS)
-        fwd, bwd = ((torch_impl.torch_attention_fwd, torch_impl.torch_attention_bwd) if op == "sequence" else
-                    (torch_impl.torch_window_fwd, torch_impl.torch_window_bwd))
+        fwd, bwd = ((torch_ops.torch_attention_fwd, torch_ops.torch_attention_bwd) if op == "sequence" else
+                    (torch_ops.torch_window_fwd, torch_ops.torch_window_bwd))
     if name == "fwd":
         args = (q, k, v, *extra) if op == "grid" else (q, k, v, a, b_, None, None, True, 0.3, True, [0, 0, 40])
         torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

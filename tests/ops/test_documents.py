@@ -6,8 +6,9 @@ import torch
 
 import poslsh
 from poslsh.documents import make_documents
-from poslsh.ops import torch_impl, torch_tiles
-from poslsh.ops.torch_plan import Layout, Span
+from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
+from poslsh.ops.torch.plan import Layout, Span
+from poslsh.reference import alibi_attention_reference
 
 from inputs import make_qkv
 
@@ -29,7 +30,7 @@ def _op(name):
                 lambda q, k, v, **kw: poslsh.poslsh_attention_reference(q, k, v, PARTS, **kw))
     return (lambda q, k, v, **kw: poslsh.windowed_alibi_attention(q, k, v, SLOPES, window=WINDOWS, backend="torch",
                                                                    **kw),
-            lambda q, k, v, **kw: poslsh.alibi_attention(q, k, v, SLOPES, window=WINDOWS, **kw))
+            lambda q, k, v, **kw: alibi_attention_reference(q, k, v, SLOPES, window=WINDOWS, **kw))
 
 
 def _max_err(xs, ys):
@@ -99,8 +100,8 @@ def test_no_weight_across_documents(name, causal):
     docs = make_documents(1, n, document_ids=ids[None])
     a, b = (PARTS.widths, PARTS.offsets) if name == "sequence" else (SLOPES, WINDOWS)
     layout = Layout(docs.start[0], docs.end[0])
-    plan = torch_impl.make_plan(name, a, b, Span.self_attention(n), layout, causal, "cpu")
-    shape = torch_impl._shape(q, k, v)
+    plan = torch_ops.make_plan(name, a, b, Span.self_attention(n), layout, causal, "cpu")
+    shape = torch_ops._shape(q, k, v)
     checked = 0
     for c in torch_tiles.iter_chunks(plan.groups, plan.bounds, shape, torch.float64, plan.slopes):
         q_rows = (c.rows % n).view(c.units, c.tile, 1)
@@ -121,10 +122,10 @@ def test_packed_plan_costs_what_the_documents_cost_alone(name, causal):
     n = sum(lengths)
     docs = make_documents(1, n, document_ids=_ids(lengths)[None])
     a, b = (PARTS.widths, PARTS.offsets) if name == "sequence" else (SLOPES, torch.tensor([0, 16, 100, 5000]))
-    packed = torch_impl.make_plan(name, a, b, Span.self_attention(n), Layout(docs.start[0], docs.end[0]), causal, "cpu")
-    alone = sum(torch_tiles.score_elements(torch_impl.make_plan(name, a, b, Span.self_attention(m), None, causal,
+    packed = torch_ops.make_plan(name, a, b, Span.self_attention(n), Layout(docs.start[0], docs.end[0]), causal, "cpu")
+    alone = sum(torch_tiles.score_elements(torch_ops.make_plan(name, a, b, Span.self_attention(m), None, causal,
                                                                 "cpu").groups) for m in lengths)
-    unpacked = torch_tiles.score_elements(torch_impl.make_plan(name, a, b, Span.self_attention(n), None, causal,
+    unpacked = torch_tiles.score_elements(torch_ops.make_plan(name, a, b, Span.self_attention(n), None, causal,
                                                                "cpu").groups)
     packed = torch_tiles.score_elements(packed.groups)
     print(f"{name} causal={causal}: scores packed {packed}, documents alone {alone}, unpacked row {unpacked}")
@@ -136,7 +137,7 @@ def test_rows_packed_alike_share_one_plan(monkeypatch):
     n = 97
     ids = torch.stack([_ids(LENGTHS[0]), _ids(LENGTHS[1]), _ids(LENGTHS[0]) + 7])
     docs = make_documents(3, n, document_ids=ids)
-    assert len(torch_impl._packings(docs.start, docs.end)) == 2
+    assert len(torch_ops._packings(docs.start, docs.end)) == 2
     q, k, v = make_qkv(3, 4, 2, n, 8, seed=6)
     fast, _ = _op("sequence")
     out = fast(q, k, v, causal=True, document_ids=ids)
@@ -152,7 +153,7 @@ def test_few_queries_path_with_documents(name, monkeypatch):
     ids = _ids([1, 4, 7])[None]
     q, k, v = make_qkv(1, 4, 2, 12, 8, seed=7)
     few = fast(q, k, v, causal=False, document_ids=ids, return_lse=True)
-    monkeypatch.setattr(torch_impl, "FEW_QUERIES", 0)
+    monkeypatch.setattr(torch_ops, "FEW_QUERIES", 0)
     tiled = fast(q, k, v, causal=False, document_ids=ids, return_lse=True)
     ref = oracle(q, k, v, causal=False, document_ids=ids, return_lse=True)
     assert _max_err(few, tiled) < 1e-13 and _max_err(few, ref) < 1e-12

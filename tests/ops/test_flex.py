@@ -3,7 +3,7 @@
 On CPU FlexAttention runs forward only: its eager path (dense scores, the ``mask_mod`` and
 ``score_mod`` alone) and, under ``torch.compile``, inductor's CPU kernels that walk the
 block lists. Both are checked against :func:`poslsh.poslsh_attention_reference` and
-:func:`poslsh.alibi_attention` (float32 inputs; errors ``max |ours - ref| / max(max |ref|, 1)``
+:func:`alibi_attention_reference` (float32 inputs; errors ``max |ours - ref| / max(max |ref|, 1)``
 ~1e-7, bound 2e-5); the block lists themselves are checked pair by pair against the dense
 geometry. GPU tests (``-m gpu``) add the backward, bf16 and the lse gradient.
 """
@@ -13,6 +13,7 @@ import torch
 import poslsh
 from poslsh.ops import flex, registry
 from poslsh.partitions import Partitions, block_labels
+from poslsh.reference import alibi_attention_reference
 
 from inputs import make_qkv
 
@@ -78,7 +79,7 @@ def test_forward_matches_oracle(n, B, Hq, Hkv, causal, kind, docs):
     slopes, window = poslsh.alibi_slopes(Hq), torch.tensor([0, 3, 40, 10 ** 6][:Hq])
     wout, wlse = poslsh.windowed_alibi_attention(q, k, v, slopes, window=window, causal=causal, backend="flex",
                                                  return_lse=True, **kw)
-    wref, wref_lse = poslsh.alibi_attention(qd, kd, vd, slopes, window=window, causal=causal, return_lse=True, **kw)
+    wref, wref_lse = alibi_attention_reference(qd, kd, vd, slopes, window=window, causal=causal, return_lse=True, **kw)
     errs = {"out": _err(out, ref), "lse": _err(lse, ref_lse), "window out": _err(wout, wref),
             "window lse": _err(wlse, wref_lse)}
     print(f"flex n={n} B={B} {Hq}/{Hkv} causal={causal} {kind} docs={docs}: "
@@ -102,7 +103,7 @@ def test_under_torch_compile_matches_oracle(n, causal, op):
     else:
         fn = lambda q, k, v: poslsh.windowed_alibi_attention(q, k, v, slopes, window=150, causal=causal,  # noqa: E731
                                                              backend="flex")
-        ref = poslsh.alibi_attention(q.double(), k.double(), v.double(), slopes, window=150, causal=causal)
+        ref = alibi_attention_reference(q.double(), k.double(), v.double(), slopes, window=150, causal=causal)
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(fn)(q, k, v)
@@ -203,7 +204,7 @@ def test_cpu_backward_is_refused_in_one_line():
             loss.backward()
     with torch.no_grad():
         assert _err(poslsh.windowed_alibi_attention(q, k, v, poslsh.alibi_slopes(2), window=5, backend="flex"),
-                    poslsh.alibi_attention(q.double(), k.double(), v.double(), poslsh.alibi_slopes(2), window=5)) < TOL
+                    alibi_attention_reference(q.double(), k.double(), v.double(), poslsh.alibi_slopes(2), window=5)) < TOL
 
 
 def test_plan_is_cached_per_partitions_and_rebuilt_after_a_change():
@@ -271,7 +272,7 @@ def test_gpu_window_and_documents_forward_backward():
     cu = torch.tensor([0, 300, 301, 1025], device="cuda")
     _check_gpu(lambda q, k, v: poslsh.windowed_alibi_attention(q, k, v, slopes, window=window, causal=True,
                                                                backend="flex", return_lse=True, cu_seqlens=cu),
-               lambda q, k, v: poslsh.alibi_attention(q, k, v, slopes, window=window, causal=True, return_lse=True,
+               lambda q, k, v: alibi_attention_reference(q, k, v, slopes, window=window, causal=True, return_lse=True,
                                                       cu_seqlens=cu),
                q, k, v, 2e-2, "gpu flex window + documents bf16")
 

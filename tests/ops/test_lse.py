@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.ops import torch_impl
+from poslsh.ops.torch import ops as torch_ops
+from poslsh.reference import alibi_attention_reference
 
 from inputs import make_qkv
 
@@ -24,7 +25,7 @@ def _ops(parts):
          lambda q, k, v, **kw: poslsh.poslsh_attention_reference(q, k, v, parts, **kw)),
         ("window", lambda q, k, v, **kw: poslsh.windowed_alibi_attention(q, k, v, SLOPES, window=WINDOWS,
                                                                           backend="torch", **kw),
-         lambda q, k, v, **kw: poslsh.alibi_attention(q, k, v, SLOPES, window=WINDOWS, **kw)),
+         lambda q, k, v, **kw: alibi_attention_reference(q, k, v, SLOPES, window=WINDOWS, **kw)),
     ]
 
 
@@ -83,7 +84,7 @@ def test_lse_on_the_few_queries_path_and_at_positions(causal, monkeypatch):
         want = [full_out[:, :, p:p + nq], full_lse[:, :, p:p + nq]]
         g_want = torch.autograd.grad(want[0].sum() + want[1].sum(), (q, k, v))
         for few in (16, 0):
-            monkeypatch.setattr(torch_impl, "FEW_QUERIES", few)
+            monkeypatch.setattr(torch_ops, "FEW_QUERIES", few)
             got = fast(q[:, :, p:p + nq], k[:, :, lo:hi], v[:, :, lo:hi], causal=causal, q_start=p, k_start=lo,
                        seq_len=n, return_lse=True)
             g_got = torch.autograd.grad(got[0].sum() + got[1].sum(), (q, k, v))
@@ -103,7 +104,7 @@ def test_double_backward_through_the_lse(causal):
               lambda q, k, v: poslsh.poslsh_attention_reference(q, k, v, parts, causal=causal, return_lse=True)),
              (lambda q, k, v: poslsh.windowed_alibi_attention(q, k, v, slopes, window=window, causal=causal,
                                                               backend="torch", return_lse=True),
-              lambda q, k, v: poslsh.alibi_attention(q, k, v, slopes, window=window, causal=causal, return_lse=True))]
+              lambda q, k, v: alibi_attention_reference(q, k, v, slopes, window=window, causal=causal, return_lse=True))]
     for fast, oracle in pairs:
         # the lse alone (the output's double backward is checked in test_torch_impl / test_window)
         assert torch.autograd.gradgradcheck(lambda q, k: fast(q, k, v)[1], (q, k))
@@ -144,7 +145,7 @@ def test_custom_ops_pass_opcheck_with_documents(op):
     q, k, v = make_qkv(2, 2, 1, 33, 8, requires_grad=True)
     docs = poslsh.documents.make_documents(2, 33, document_ids=torch.tensor([[0] * 20 + [1] * 13, [4] * 33]))
     a, b = (parts.widths, parts.offsets) if op == "torch_attention_fwd" else (SLOPES[:2], torch.tensor([3, 50]))
-    torch.library.opcheck(getattr(torch_impl, op), (q, k, v, a, b, docs.start, docs.end, False, 0.3, True, [0, 0, 33]),
+    torch.library.opcheck(getattr(torch_ops, op), (q, k, v, a, b, docs.start, docs.end, False, 0.3, True, [0, 0, 33]),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

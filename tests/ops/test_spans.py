@@ -77,7 +77,7 @@ def test_missing_keys_are_an_error():
 def test_few_queries_path_equals_the_tiled_path(causal, monkeypatch):
     """Decoding-sized calls (a few query rows) take a dense pass over each head's key range;
     it equals the tiled path and the oracle, forward and backward."""
-    from poslsh.ops import torch_impl
+    from poslsh.ops.torch import ops as torch_ops
 
     parts = _parts(seed=11)
     n, p, nq = 300, 200, 5
@@ -86,7 +86,7 @@ def test_few_queries_path_equals_the_tiled_path(causal, monkeypatch):
     call = lambda: poslsh.poslsh_attention(q[:, :, p:p + nq], k[:, :, lo:hi], v[:, :, lo:hi], parts,  # noqa: E731
                                            causal=causal, q_start=p, k_start=lo, seq_len=n, backend="torch")
     few = call()
-    monkeypatch.setattr(torch_impl, "FEW_QUERIES", 0)
+    monkeypatch.setattr(torch_ops, "FEW_QUERIES", 0)
     tiled = call()
     full = poslsh.poslsh_attention_reference(q, k, v, parts, causal=causal)[:, :, p:p + nq]
     g_few = torch.autograd.grad(few.sum(), (q, k, v))

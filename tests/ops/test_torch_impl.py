@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.reference import dense_attention_with_bias
+from poslsh.reference import alibi_attention_reference, dense_attention_with_bias
 
 from inputs import alibi_partitions, make_qkv
 
@@ -140,7 +140,7 @@ def test_partitions_on_other_device_are_moved():
 @pytest.mark.parametrize("chunk", [1 << 9, 1 << 13])
 def test_small_chunks_match_reference(monkeypatch, chunk):
     """Many chunks per group (reused buffers, ragged last chunk), batch 2, both passes."""
-    import poslsh.ops.torch_tiles as ti
+    import poslsh.ops.torch.tiles as ti
 
     monkeypatch.setattr(ti, "CHUNK_ELEMENTS", chunk)
     q, k, v = make_qkv(2, 4, 2, 300, 8, seed=21, requires_grad=True)
@@ -186,12 +186,12 @@ def test_torch_backend_compiles_fullgraph():
 
 
 def test_torch_custom_ops_pass_opcheck():
-    from poslsh.ops import torch_impl
+    from poslsh.ops.torch import ops as torch_ops
 
     parts = poslsh.sample_partitions(poslsh.alibi_sigmas(2), 3, seed=0)
     q, k, v = make_qkv(1, 2, 1, 33, 8, requires_grad=True)
     k, v = (torch.cat([x, x[:, :, :5]], 2).detach().requires_grad_() for x in (k, v))   # 38 keys at [0, 38)
-    torch.library.opcheck(torch_impl.torch_attention_fwd,
+    torch.library.opcheck(torch_ops.torch_attention_fwd,
                           (q, k, v, parts.widths, parts.offsets, None, None, True, 0.3, True, [5, 0, 40]),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -222,23 +222,23 @@ def test_single_thread_when_the_cpu_is_oversubscribed(monkeypatch):
     """On a busy CPU the call runs on one intra-op thread (barriers of many small parallel
     regions wait for descheduled threads otherwise) and restores the thread count after;
     the result is the same."""
-    from poslsh.ops import torch_impl
+    from poslsh.ops.torch import ops as torch_ops
 
     seen = []
-    real = torch_impl.torch_attention_fwd
+    real = torch_ops.torch_attention_fwd
 
     def spy(*args):
         seen.append(torch.get_num_threads())
         return real(*args)
 
-    monkeypatch.setattr(torch_impl, "torch_attention_fwd", spy)
+    monkeypatch.setitem(torch_ops.FORWARD, "sequence", spy)
     q, k, v = make_qkv(1, 4, 2, 97, 8, seed=1)
     P = alibi_partitions(4, 3, seed=2)
     with torch_impl_threads(2):
-        monkeypatch.setattr(torch_impl, "cpu_oversubscribed", lambda: True)
+        monkeypatch.setattr(torch_ops, "cpu_oversubscribed", lambda: True)
         busy = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
         after = torch.get_num_threads()
-        monkeypatch.setattr(torch_impl, "cpu_oversubscribed", lambda: False)
+        monkeypatch.setattr(torch_ops, "cpu_oversubscribed", lambda: False)
         quiet = poslsh.poslsh_attention(q, k, v, P, causal=True, backend="torch")
     print(f"threads seen by the op: busy {seen[0]}, quiet {seen[1]}; restored to {after}")
     assert seen == [1, 2] and after == 2 and torch.equal(busy, quiet)
@@ -256,11 +256,11 @@ def test_threads_share_the_chunks(op, monkeypatch):
     thread and as the oracle, forward, lse and gradients; small chunks so that many run at once."""
     import threading
 
-    from poslsh.ops import torch_impl, torch_kernels, torch_tiles
+    from poslsh.ops.torch import kernels as torch_kernels, ops as torch_ops, tiles as torch_tiles
     from poslsh.threads import intra_op_threads
 
     monkeypatch.setattr(torch_tiles, "CHUNK_ELEMENTS", 1 << 10)
-    monkeypatch.setattr(torch_impl, "SINGLE_THREAD_WHEN_BUSY", False)     # the machine's load must not matter
+    monkeypatch.setattr(torch_ops, "SINGLE_THREAD_WHEN_BUSY", False)     # the machine's load must not matter
     threads = set()
     run_items = torch_kernels.run_items
 
@@ -281,7 +281,7 @@ def test_threads_share_the_chunks(op, monkeypatch):
             fn = poslsh.poslsh_attention if backend else poslsh.poslsh_attention_reference
             out, lse = fn(q, k, v, P, causal=True, return_lse=True, **({"backend": backend} if backend else {}))
         else:
-            fn = poslsh.windowed_alibi_attention if backend else poslsh.alibi_attention
+            fn = poslsh.windowed_alibi_attention if backend else alibi_attention_reference
             out, lse = fn(q, k, v, slopes, window=window, document_ids=ids, return_lse=True,
                           **({"backend": backend} if backend else {}))
         return [out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))]

@@ -1,5 +1,5 @@
 """windowed_alibi_attention on the torch backend against the dense float64 windowed ALiBi oracle
-(poslsh.alibi_attention(window=...)): forward and gradients, GQA, causal and not, queries and keys
+(alibi_attention_reference(window=...)): forward and gradients, GQA, causal and not, queries and keys
 at given positions, per-head windows from 0 to past the sequence, and an O(n w) cost."""
 import threading
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import poslsh
-from poslsh.ops import torch_impl, torch_tiles
-from poslsh.ops.torch_plan import Span
+from poslsh.ops.torch import ops as torch_ops, tiles as torch_tiles
+from poslsh.ops.torch.plan import Span
+from poslsh.reference import alibi_attention_reference
 
 from inputs import LargestTensor, make_qkv
 
@@ -32,7 +33,7 @@ def test_equals_dense_windowed_alibi(B, Hq, Hkv, n, causal):
     results = []
     for fn in (lambda: poslsh.windowed_alibi_attention(q, k, v, SLOPES, window=_windows(n), causal=causal,
                                                         backend="torch", return_lse=True),
-               lambda: poslsh.alibi_attention(q, k, v, SLOPES, window=_windows(n), causal=causal, return_lse=True)):
+               lambda: alibi_attention_reference(q, k, v, SLOPES, window=_windows(n), causal=causal, return_lse=True)):
         out, lse = fn()
         results.append([out, lse, *torch.autograd.grad((out * w).sum(), (q, k, v))])
     err = _max_err(*results)
@@ -45,7 +46,7 @@ def test_window_zero_is_the_value_and_past_n_is_exact_alibi():
     alone = poslsh.windowed_alibi_attention(q, k, v, SLOPES[:4], window=0, backend="torch")
     assert torch.equal(alone, v)                                       # a query sees itself only
     wide = poslsh.windowed_alibi_attention(q, k, v, SLOPES[:4], window=10 ** 18, causal=True, backend="torch")
-    assert _max_err([wide], [poslsh.alibi_attention(q, k, v, SLOPES[:4], causal=True)]) < 1e-12
+    assert _max_err([wide], [alibi_attention_reference(q, k, v, SLOPES[:4], causal=True)]) < 1e-12
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -57,7 +58,7 @@ def test_rows_at_given_positions_equal_full_attention(n, p, nq, causal):
     q, k, v = make_qkv(2, 8, 2, n, 8, seed=p, requires_grad=True)
     lo = max(0, p - int(window.max()))
     hi = p + nq if causal else min(n, p + nq + int(window.max()))
-    full = poslsh.alibi_attention(q, k, v, SLOPES, window=window, causal=causal)[:, :, p:p + nq]
+    full = alibi_attention_reference(q, k, v, SLOPES, window=window, causal=causal)[:, :, p:p + nq]
     out = poslsh.windowed_alibi_attention(q[:, :, p:p + nq], k[:, :, lo:hi], v[:, :, lo:hi], SLOPES, window=window,
                                           causal=causal, q_start=p, k_start=lo, seq_len=n, backend="torch")
     g = torch.randn_like(full)
@@ -83,7 +84,7 @@ def test_few_queries_path_equals_the_tiled_path(causal, monkeypatch):
                                                q_start=p, seq_len=n, backend="torch", return_lse=True)
 
     few = call()
-    monkeypatch.setattr(torch_impl, "FEW_QUERIES", 0)
+    monkeypatch.setattr(torch_ops, "FEW_QUERIES", 0)
     assert _max_err(few, call()) < 1e-13
 
 
@@ -100,7 +101,7 @@ def test_double_backward(causal):
         gq, = torch.autograd.grad(fn(q, k, v).square().sum(), (q,), create_graph=True)
         return torch.autograd.grad(gq.square().sum(), (k, v))
 
-    oracle = lambda q, k, v: poslsh.alibi_attention(q, k, v, slopes, window=window, causal=causal)  # noqa: E731
+    oracle = lambda q, k, v: alibi_attention_reference(q, k, v, slopes, window=window, causal=causal)  # noqa: E731
     assert _max_err(penalty_grad(fast), penalty_grad(oracle)) < 1e-10
 
 
@@ -111,14 +112,14 @@ def test_cost_is_linear_in_n_times_the_window():
     window = torch.tensor([0, 8, 64, 200])
     span = Span.self_attention(n)
     for causal in (False, True):
-        plan = torch_impl.make_plan("window", SLOPES[:4], window, span, None, causal, "cpu")
+        plan = torch_ops.make_plan("window", SLOPES[:4], window, span, None, causal, "cpu")
         scores = torch_tiles.score_elements(plan.groups)
         tiles = torch_tiles.choose_tiles((2 * window + 1)[:, None], n)
         per_head = n * ((1 if causal else 2) * window + 1 + tiles) * 1.25 + n
         print(f"causal={causal}: {scores} scores, bound {int(per_head.sum())}, n^2 H = {n * n * H}")
         assert scores <= per_head.sum() and scores < n * n * H / 8
 
-    import poslsh.ops.torch_tiles as tt
+    import poslsh.ops.torch.tiles as tt
     q, k, v = make_qkv(1, H, 2, n, 8, dtype=torch.float32)
     saved = tt.CHUNK_ELEMENTS
     tt.CHUNK_ELEMENTS = 1 << 16
@@ -147,11 +148,11 @@ def test_registered_features():
 def test_threads_share_the_chunks(causal, monkeypatch):
     """With 3 threads the band kernels' chunks run concurrently (key gradients added under locks):
     the same result as one thread and as the oracle; small chunks so that many run at once."""
-    from poslsh.ops import torch_band
+    from poslsh.ops.torch import band as torch_band
     from poslsh.threads import intra_op_threads
 
     monkeypatch.setattr(torch_band, "CHUNK_ELEMENTS", 1 << 10)
-    monkeypatch.setattr(torch_impl, "SINGLE_THREAD_WHEN_BUSY", False)      # the machine's load must not matter
+    monkeypatch.setattr(torch_ops, "SINGLE_THREAD_WHEN_BUSY", False)      # the machine's load must not matter
     threads = set()
     run_items = torch_band.run_items
 
@@ -171,7 +172,7 @@ def test_threads_share_the_chunks(causal, monkeypatch):
     one = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
     with intra_op_threads(3):
         three = run(lambda *a, **kw: poslsh.windowed_alibi_attention(*a, backend="torch", **kw))
-    want = run(poslsh.alibi_attention)
+    want = run(alibi_attention_reference)
     assert 3 in threads and len(threads - {1, 3}) > 1          # several threads ran chunks
     assert _max_err(three, one) < 1e-13 and _max_err(three, want) < 1e-10
 
@@ -199,7 +200,7 @@ def test_transposed_views_give_the_contiguous_result(causal):
 def test_every_tile_size_equals_the_oracle(tile, causal, monkeypatch):
     """The band kernels with every tile height the rules can choose (forward and backward), windows
     from 0 to past the sequence: out, lse and gradients equal the dense float64 oracle."""
-    from poslsh.ops import torch_band
+    from poslsh.ops.torch import band as torch_band
 
     monkeypatch.setattr(torch_band, "FORWARD_TILES", ((float("inf"), tile),))
     monkeypatch.setattr(torch_band, "BACKWARD_TILES", ((float("inf"), tile),))
@@ -207,7 +208,7 @@ def test_every_tile_size_equals_the_oracle(tile, causal, monkeypatch):
     window = torch.tensor([0, 3, 30, 64, 129, 200, 300, 999])
     g = torch.randn(2, 8, 301, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     results = []
-    for fn, kw in ((poslsh.windowed_alibi_attention, {"backend": "torch"}), (poslsh.alibi_attention, {})):
+    for fn, kw in ((poslsh.windowed_alibi_attention, {"backend": "torch"}), (alibi_attention_reference, {})):
         out, lse = fn(q, k, v, SLOPES, window=window, causal=causal, return_lse=True, **kw)
         results.append([out, lse, *torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v))])
     assert _max_err(*results) < 1e-10

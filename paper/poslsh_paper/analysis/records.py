@@ -178,11 +178,11 @@ def input_records(qkv: Dict[int, LayerQKV], heads: Sequence[int], sigmas: Sequen
 def cross_check(qkv: Dict[int, LayerQKV], heads: Sequence[int], sigmas: Sequence[float], s: int,
                 partitions: Partitions) -> dict:
     """Agreement of the fast routes with the library on one input (first layer of
-    ``qkv``, first ``s`` partitions): ``T*`` vs :func:`poslsh.alibi_attention`, ``T~``
+    ``qkv``, first ``s`` partitions): ``T*`` vs :func:`poslsh.reference.alibi_attention_reference`, ``T~``
     vs ``poslsh_attention(backend="torch")``, and the mask norms vs
     :mod:`poslsh.theory`. Returns the largest differences (the spectral one relative)."""
     from poslsh.attention import poslsh_attention
-    from poslsh.reference import alibi_attention
+    from poslsh.reference import alibi_attention_reference
 
     layer = sorted(qkv)[0]
     L = qkv[layer]
@@ -194,8 +194,8 @@ def cross_check(qkv: Dict[int, LayerQKV], heads: Sequence[int], sigmas: Sequence
     for hi, (h, sigma) in enumerate(zip(heads, sigmas)):
         q, k, v = (x.double()[None, None] for x in L.head(h))
         one = Partitions(prefix.widths[hi:hi + 1], prefix.offsets[hi:hi + 1], prefix.sigma[hi:hi + 1])
-        ref_exact = alibi_attention(q, k, v, torch.tensor([1.0 / float(sigma)], dtype=torch.float64),
-                                    causal=True)[0, 0]
+        ref_exact = alibi_attention_reference(q, k, v, torch.tensor([1.0 / float(sigma)], dtype=torch.float64),
+                                              causal=True)[0, 0]
         ref_approx = poslsh_attention(q, k, v, one, causal=True, backend="torch")[0, 0]
         snap = next(nested_counts(partitions.widths[hi], partitions.offsets[hi], n, [s]))
         a = causal_weights(*L.head(h)[:2])

@@ -18,7 +18,7 @@ computed once and every method reuses them, memory ``O(chunk n)``. The oracle co
 within :func:`certified_reach`, beyond which the window theorem
 (:func:`poslsh.theory.window_error_bound`) certifies a change below ``EXACT_TOL`` of the value range
 in every output; :func:`chunked_alibi_attention` is that oracle alone (equal to
-:func:`poslsh.alibi_attention`, tested).
+:func:`poslsh.reference.alibi_attention_reference`, tested).
 
 Cost = keys per query: the mean over queries of the keys with nonzero weight (for positional
 LSH the union of the query's ``s`` blocks, which for causal attention is one contiguous run
@@ -185,7 +185,7 @@ def certified_reach(q: Tensor, k: Tensor, v: Tensor, sigma: float, *, causal: bo
 def chunked_alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes, *, causal: bool = False,
                             scale: Optional[float] = None, window=None, chunk: int = 256) -> Tensor:
     """Exact ALiBi attention (cut at ``window`` when given: an int or int ``[Hq]``) in query chunks,
-    float64, memory ``O(chunk n)``: what :func:`poslsh.alibi_attention` computes densely. Keys
+    float64, memory ``O(chunk n)``: what :func:`poslsh.reference.alibi_attention_reference` computes densely. Keys
     farther than :func:`certified_reach` are skipped (their weight changes no output by more than
     ``EXACT_TOL`` times the value range, by the window theorem).
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List
 import torch
 
 from poslsh.attention import available_backends, poslsh_attention
-from poslsh.window import windowed_alibi_attention
+from poslsh import windowed_alibi_attention
 from poslsh.partitions import Partitions
 from poslsh.seeding import generator
 from poslsh_paper.analysis.records import sampler_draws

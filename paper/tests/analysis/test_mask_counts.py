@@ -1,10 +1,11 @@
 """The fast nested-count routes of :mod:`poslsh_paper.analysis` agree with the library's
-definitions (Partitions.dense_count, poslsh.theory, alibi_attention, poslsh_attention)."""
+definitions (Partitions.dense_count, poslsh.theory, alibi_attention_reference, poslsh_attention)."""
 import numpy as np
 import pytest
 import torch
 
-from poslsh import alibi_attention, alibi_sigmas, poslsh_attention, theory
+from poslsh import alibi_sigmas, poslsh_attention, theory
+from poslsh.reference import alibi_attention_reference
 from poslsh_paper.analysis import (approx_output, causal_weights, default_heads, dense_from_band, exact_output, fit_slope,
                              mask_max_error, mask_spectral_error, nested_counts)
 from poslsh.partitions import Partitions, sample_partitions
@@ -66,7 +67,7 @@ def test_outputs_match_library(sigma):
     p = sample_partitions(torch.tensor([sigma], dtype=torch.float64), 40, seed=2)
     a = causal_weights(q, k, chunk=64)
     ex = exact_output(a, v, sigma, chunk=64)
-    ref = alibi_attention(q[None, None], k[None, None], v[None, None],
+    ref = alibi_attention_reference(q[None, None], k[None, None], v[None, None],
                           torch.tensor([1.0 / sigma], dtype=torch.float64), causal=True)[0, 0]
     torch.testing.assert_close(ex.t, ref, atol=1e-12, rtol=1e-10)
     st = theory.instance_stats(q[None], k[None], torch.tensor([sigma]), causal=True)

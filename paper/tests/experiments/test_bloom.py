@@ -119,7 +119,7 @@ def test_full_context_scores_each_target_once(tmp_path):
 def test_patched_methods(tmp_path):
     """Exact patch_alibi gives the eager model's logits; the windows are the ones named."""
     from poslsh.integrations import hf
-    from poslsh.window import cost_matched_window
+    from poslsh.cost import cost_matched_window
 
     torch.manual_seed(0)
     eager = build_model(tiny(tmp_path), 300).eval()
@@ -134,7 +134,7 @@ def test_patched_methods(tmp_path):
         if method == "alibi":
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         if method == "alibi-wcost10":
-            assert st[0]["window"] == cost_matched_window(slopes=bloom.bloom_slopes(4), num_samples=10).tolist()
+            assert st[0]["window"] == cost_matched_window(1 / bloom.bloom_slopes(4), num_samples=10).tolist()
         if method == "poslsh-s10":
             assert st[0]["num_samples"] == 10
 

@@ -10,6 +10,7 @@ import torch
 
 import poslsh
 from poslsh import theory
+from poslsh.reference import alibi_attention_reference
 from poslsh_paper.cli import main
 from poslsh_paper.experiments import frontier as job
 from poslsh_paper.experiments import frontier_methods as fm
@@ -27,12 +28,12 @@ def _qkv(n, B=2, H=4, Hkv=2, d=8, dv=5, seed=0, std=1.0):
 def test_chunked_oracle_equals_alibi_attention(n, causal):
     q, k, v = _qkv(n, seed=n)
     slopes = 1 / poslsh.alibi_sigmas(4)
-    want = poslsh.alibi_attention(q, k, v, slopes, causal=causal)
+    want = alibi_attention_reference(q, k, v, slopes, causal=causal)
     torch.testing.assert_close(fm.chunked_alibi_attention(q, k, v, slopes, causal=causal, chunk=37), want,
                                rtol=0, atol=1e-12)
     w = torch.tensor([0, 3, 17, 500])
     torch.testing.assert_close(fm.chunked_alibi_attention(q, k, v, slopes, causal=causal, window=w, chunk=29),
-                               poslsh.alibi_attention(q, k, v, slopes, causal=causal, window=w), rtol=0, atol=1e-12)
+                               alibi_attention_reference(q, k, v, slopes, causal=causal, window=w), rtol=0, atol=1e-12)
 
 
 def test_the_oracle_skips_only_keys_the_window_theorem_certifies():
@@ -43,7 +44,7 @@ def test_the_oracle_skips_only_keys_the_window_theorem_certifies():
     assert reach < n - 1                                   # the band really is cut
     got = fm.chunked_alibi_attention(q, k, v, slopes, causal=True, chunk=128)
     vr = float((v.amax(2) - v.amin(2)).max())
-    assert float((got - poslsh.alibi_attention(q, k, v, slopes, causal=True)).abs().max()) <= fm.EXACT_TOL * vr
+    assert float((got - alibi_attention_reference(q, k, v, slopes, causal=True)).abs().max()) <= fm.EXACT_TOL * vr
 
 
 @pytest.mark.parametrize("method", ["iid", "grouped"])
@@ -116,8 +117,8 @@ def test_evaluate_head_matches_dense_errors():
     w = 20
     rows, head = fm.evaluate_head(q[0, 0], k[0, 0], v[0, 0], sigma, [fm.alibi_method(sigma, n, True, w)],
                                   causal=True, chunk=33)
-    full, lse = poslsh.alibi_attention(q, k, v, [1 / sigma], causal=True, return_lse=True)
-    cut, lse_w = poslsh.alibi_attention(q, k, v, [1 / sigma], causal=True, window=w, return_lse=True)
+    full, lse = alibi_attention_reference(q, k, v, [1 / sigma], causal=True, return_lse=True)
+    cut, lse_w = alibi_attention_reference(q, k, v, [1 / sigma], causal=True, window=w, return_lse=True)
     err = (cut - full)[0, 0]
     r = rows[0]
     assert r["max"] == pytest.approx(float(err.abs().max()))

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
-from poslsh.window import cost_matched_window  # noqa: E402
+from poslsh.cost import cost_matched_window  # noqa: E402
 from poslsh.integrations import hf  # noqa: E402
 from poslsh_paper.experiments.command import ConfigError  # noqa: E402
 from poslsh_paper.experiments.lm import loop, table  # noqa: E402

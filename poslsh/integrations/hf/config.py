@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 from ...alibi import alibi_sigmas, alibi_slopes
 from ...partitions import Partitions, check_sampler
-from ...window.cost import cost_matched_window
+from ...cost import cost_matched_window
 from ...window.kind import AlibiWindow, make_window, windows_in_sigmas
 
 __all__ = ["SCHEMES", "IMPLEMENTATIONS", "CONFIG_KEY", "WINDOW_FIELDS", "POSITIONAL_FIELDS", "SchemeRules",

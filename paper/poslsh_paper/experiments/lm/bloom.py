@@ -9,7 +9,7 @@ and the trained weights are then evaluated, unchanged, through
 * ``alibi``: exact ALiBi over every key (``patch_alibi(model)``), never an n x n tensor;
 * ``alibi-tol1e-<k>``: the certified per-head window at tolerance ``10^-k`` (``window="certified"``);
 * ``alibi-wcost<s>``: the window whose keys per query are positional LSH's at ``s`` samples
-  (:func:`poslsh.window.cost_matched_window` of BLOOM's slopes);
+  (:func:`poslsh.cost.cost_matched_window` of BLOOM's slopes);
 * ``alibi-w<c>``: the window ``ceil(c sigma_h)`` (:func:`poslsh.window.windows_in_sigmas`);
 * ``poslsh-s<k>``: positional LSH with ``k`` i.i.d. partitions per head (``num_samples=k``, seeded by the run).
 
@@ -71,13 +71,14 @@ def bloom_slopes(num_heads: int) -> torch.Tensor:
 
 def bloom_window(cfg):
     """The per-head window (int64 ``[H]``) of an ``alibi-w<c>`` / ``alibi-wcost<s>`` method."""
-    from poslsh.window import cost_matched_window, windows_in_sigmas
+    from poslsh.cost import cost_matched_window
+    from poslsh.window import windows_in_sigmas
 
     p = parse_method(cfg.method)
-    slopes = bloom_slopes(cfg.model.num_heads)
+    sigma = 1.0 / bloom_slopes(cfg.model.num_heads)      # the model's slopes as bandwidths
     if p.window_cost_samples is not None:
-        return cost_matched_window(slopes=slopes, num_samples=p.window_cost_samples)
-    return windows_in_sigmas(p.window_sigmas, slopes=slopes)
+        return cost_matched_window(sigma, p.window_cost_samples)
+    return windows_in_sigmas(p.window_sigmas, sigma)
 
 
 def patch_for_method(model, cfg):

@@ -53,7 +53,7 @@ def parse_method(method: str) -> Positional:
     of at most 4, the library's default); ``"poslsh-g20k5"`` -> groups of at most 5;
     ``"alibi-w2.5"`` -> the ``alibi-window`` scheme with ``window_sigmas = 2.5`` (head ``h`` keeps
     ``|i - j| <= ceil(2.5 sigma_h)``); ``"alibi-wcost10"`` -> ``window_cost_samples = 10`` (the
-    window of :func:`poslsh.window.cost_matched_window` at s = 10). Windows do not depend on the
+    window of :func:`poslsh.cost.cost_matched_window` at s = 10). Windows do not depend on the
     sequence length. Other methods have ``num_samples = 1``."""
     if method in ("original", "alibi", "fixed_blocks"):
         return Positional(method, 1)

@@ -20,7 +20,7 @@ from poslsh.attention import poslsh_attention_nd
 from poslsh_paper.data.images import to_float, upsample
 from poslsh_paper.io import atomic_savefig, atomic_write_json
 from poslsh.partitions_nd import grid_coords, sample_partitions_nd
-from poslsh.reference import alibi_attention_nd, alibi_matrix_nd
+from poslsh.reference import alibi_attention_reference_nd, alibi_matrix_nd
 from poslsh.seeding import stable_seed
 from poslsh_paper.experiments.checkpoints import latest_checkpoint, load_checkpoint_params
 from poslsh_paper.experiments.vision.config import VisionConfig, head_sigmas, run_dir
@@ -55,7 +55,7 @@ def convergence(cfg: VisionConfig) -> dict:
     sigma = head_sigmas(cfg.model)
     coords = grid_coords(*grid)
     L = alibi_matrix_nd(coords, sigma)
-    exact = alibi_attention_nd(q, k, v, 1.0 / sigma, grid=grid)
+    exact = alibi_attention_reference_nd(q, k, v, 1.0 / sigma, grid=grid)
     raw: Dict[str, List[List[List[float]]]] = {"spectral": [], "max": [], "output": []}
     for s in cfg.figure_samples:
         per = {key: [] for key in raw}

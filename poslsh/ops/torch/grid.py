@@ -21,7 +21,7 @@ and tiles. Raster-causal attention masks keys after the query in raster order.
 Backward is flash-attention 2's, recomputed tile by tile from the saved log-sum-exp. Memory is
 ``O(n (d + s))`` plus one bounded chunk: no ``n x n`` tensor. Both directions are
 ``torch.library`` custom ops. The log-sum-exp is computed but not offered (``return_lse``): its
-gradient would need the backward op to pass ``dlse`` on to :func:`~poslsh.ops.torch_kernels.tiled_backward`.
+gradient would need the backward op to pass ``dlse`` on to :func:`~poslsh.ops.torch.kernels.tiled_backward`.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from typing import Iterator, List, NamedTuple, Tuple
 import torch
 from torch import Tensor
 
-from .._validation import AttnShape, compute_dtype
-from ..partitions import block_bounds
-from .registry import register_backend
-from .torch_kernels import flat_rows, gather_rows, tiled_backward
+from ..._validation import AttnShape, compute_dtype
+from ...partitions import block_bounds
+from ..registry import register_backend
+from .kernels import flat_rows, gather_rows, tiled_backward
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
 
@@ -233,7 +233,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup2D], b: GridB
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups: List[TileGroup2D],
              b: GridBounds, shape: AttnShape, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` by tile-wise recomputation with the saved ``lse`` (the torch backend's
-    :func:`~poslsh.ops.torch_kernels.tiled_backward`; a query's whole key box lies in its one tile)."""
+    :func:`~poslsh.ops.torch.kernels.tiled_backward`; a query's whole key box lies in its one tile)."""
     def probabilities(Qg, Kg, c, lse_g):
         # p = count exp(s - lse); where count > 0, s - lse <= -log count <= 0, so clamping at 0
         # only touches keys with count 0 (no inf * 0).

@@ -11,7 +11,7 @@ contiguous block of key rows ``[start, end)``, non-decreasing along the rows of 
 * packed documents (:mod:`poslsh.documents`): positions restart in every document, so a query's
   blocks are those of its *local* position, shifted by its document's start and cut at its end.
 
-The tile plan (:mod:`.torch_tiles`) needs nothing else. Plain torch. (:class:`Span`, the call
+The tile plan (:mod:`.tiles`) needs nothing else. Plain torch. (:class:`Span`, the call
 contract, lives in :mod:`.call`.)
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..partitions import Partitions
-from .call import Span
+from ...partitions import Partitions
+from ..call import Span
 
 __all__ = ["Span", "RowBounds", "Layout", "row_bounds", "document_row_bounds", "window_row_bounds",
            "window_block_widths"]
@@ -109,5 +109,5 @@ def window_row_bounds(window: Tensor, span: Span, causal: bool, device, layout: 
 def window_block_widths(window: Tensor) -> Tensor:
     """The block width of each head of a window, ``2 w_h + 1`` (``[H, 1]``, not clipped to the
     sequence, like a partition's bin widths): what the tile height is chosen from
-    (:func:`~poslsh.ops.torch_tiles.choose_tiles`), so a packed document gets the tiles it gets alone."""
+    (:func:`~poslsh.ops.torch.tiles.choose_tiles`), so a packed document gets the tiles it gets alone."""
     return 2 * window.to(torch.int64).clamp(max=1 << 40)[:, None] + 1

@@ -31,8 +31,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._validation import AttnShape, compute_dtype
-from .torch_workers import KeyLocks, run_items
+from ..._validation import AttnShape, compute_dtype
+from .workers import KeyLocks, run_items
 
 __all__ = ["Band", "bands", "forward", "backward", "CHUNK_ELEMENTS"]
 

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..threads import intra_op_threads
+from ...threads import intra_op_threads
 
 __all__ = ["run_items", "KeyLocks"]
 

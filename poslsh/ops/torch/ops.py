@@ -9,11 +9,11 @@ weights multiplied by ``count`` (bias ``log count``), so every score is computed
 once, not once per sample. The window op is the same machinery with one "sample" whose
 block for query ``i`` is ``[i - w_h, i + w_h + 1)`` and the bias ``-m_h |i - j|`` inside.
 
-Work is cut into *query tiles* of ``T`` rows of one head (:mod:`.torch_tiles`). The blocks
+Work is cut into *query tiles* of ``T`` rows of one head (:mod:`.tiles`). The blocks
 containing a row are contiguous and their starts/ends are non-decreasing along the
-sequence (:mod:`.torch_plan`), so the union of all samples' blocks touching a tile is one
+sequence (:mod:`.plan`), so the union of all samples' blocks touching a tile is one
 key range ``[lo, hi)``; tiles are grouped by padded range width and each group is a single
-batched matmul over all heads and tiles (:mod:`.torch_kernels`). ``count`` for a tile is
+batched matmul over all heads and tiles (:mod:`.kernels`). ``count`` for a tile is
 built with a difference array: +1 at each row's block start and -1 at its end, then a
 cumulative sum, i.e. ``O(s)`` scatters per row plus one pass; rows whose blocks agree in
 every sample share one count row, and the causal mask is applied separately. Rows are
@@ -34,27 +34,24 @@ directions of both ops are ``torch.library`` custom ops (below).
 from __future__ import annotations
 
 import os
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._validation import AttnShape, compute_dtype
-from ..partitions import Partitions
-from ..threads import intra_op_threads
-from .registry import register_backend
-# row_bounds, plan_tiles, choose_tiles: also used by benchmarks/bench_gpu.py.
-from . import torch_band
-from .torch_kernels import backward, few_queries_forward, forward
-from .torch_plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, \
+from ..._validation import AttnShape, compute_dtype
+from ...partitions import Partitions
+from ...threads import intra_op_threads
+from ..registry import register_backend
+from . import band
+from .kernels import backward, few_queries_forward, forward
+from .plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, \
     window_block_widths, window_row_bounds
-from .torch_tiles import TileGroup, choose_tiles, plan_tiles  # noqa: F401
+from .tiles import TileGroup, choose_tiles, plan_tiles
 
 # Query rows per head up to which one dense pass over each head's key range beats the tile
 # plan (decoding steps: the plan's per-group launches cost ~0.5 ms per layer per token).
 FEW_QUERIES = 16
-
-KINDS = ("sequence", "window")
 
 
 class Plan(NamedTuple):
@@ -66,18 +63,38 @@ class Plan(NamedTuple):
     slopes: Optional[Tensor]
 
 
-def make_plan(kind: str, a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device,
+def _partition_rows(a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device):
+    """Positional LSH: ``a, b`` = partition widths, offsets ``[H, s]`` (float64)."""
+    parts = Partitions(a, b)
+    bounds = row_bounds(parts, span, causal, device) if layout is None else \
+        document_row_bounds(parts, layout, causal, device)
+    return bounds, a, None
+
+
+def _window_rows(a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device):
+    """The window: ``a, b`` = slopes ``[H]`` (float64), windows ``[H]`` (int64)."""
+    return window_row_bounds(b, span, causal, device, layout), window_block_widths(b), a
+
+
+class OpKernels(NamedTuple):
+    """How this backend serves one op, its positional object given as the two tensors ``a, b`` of
+    ``positional.tensors()`` (only tensors cross the custom-op boundary)."""
+
+    rows: Callable[..., Tuple[RowBounds, Tensor, Optional[Tensor]]]
+    """``(a, b, span, layout, causal, device) -> (row bounds, the widths the tiles are sized by, slopes or
+    None)``"""
+    band: bool
+    """the band kernels serve its calls without packed documents and with more than ``FEW_QUERIES`` queries"""
+
+
+# Keyed by the positional object's own answer, ``positional.op``.
+KERNELS = {"sequence": OpKernels(_partition_rows, band=False), "window": OpKernels(_window_rows, band=True)}
+
+
+def make_plan(op: str, a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device,
               tiles: bool = True) -> Plan:
-    """``kind`` ``"sequence"``: ``a, b`` = partition widths, offsets ``[H, s]`` (float64);
-    ``"window"``: ``a, b`` = slopes ``[H]`` (float64), windows ``[H]`` (int64)."""
-    if kind == "sequence":
-        parts = Partitions(a, b)
-        bounds = row_bounds(parts, span, causal, device) if layout is None else \
-            document_row_bounds(parts, layout, causal, device)
-        widest, slopes = a, None
-    else:
-        bounds = window_row_bounds(b, span, causal, device, layout)
-        widest, slopes = window_block_widths(b), a
+    """The plan of op ``op`` (``"sequence"`` or ``"window"``; ``a, b`` as :class:`OpKernels` reads them)."""
+    bounds, widest, slopes = KERNELS[op].rows(a, b, span, layout, causal, device)
     if not tiles:
         return Plan(bounds, None, slopes)
     n = span.n_q
@@ -120,25 +137,25 @@ def _unpack(parts: List[Tensor], order: List[Optional[Tensor]]) -> Tensor:
     return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
 
 
-def _band(kind: str, doc_start: Optional[Tensor], n: int) -> bool:
-    """The window op's band kernels serve this call (no packed documents; more than a few queries)."""
-    return kind == "window" and doc_start is None and n > FEW_QUERIES
+def _on_band(op: str, doc_start: Optional[Tensor], n: int) -> bool:
+    """The band kernels serve this call (an op that has them; no packed documents; more than a few queries)."""
+    return KERNELS[op].band and doc_start is None and n > FEW_QUERIES
 
 
-def run_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
+def run_forward(op: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
                 doc_end: Optional[Tensor], causal: bool, scale: float, need_lse: bool, positions: List[int],
                 few: bool = True) -> Tuple[Tensor, Tensor]:
     """``out [B, Hq, n, dv]`` and ``lse [B, Hq, n]`` of either op (``few``: allow the few-queries path and
     the band kernels; the tiles alone can be traced by autograd, for double backward)."""
     span = _span(q, k, positions)
-    if few and _band(kind, doc_start, span.n_q):
-        return torch_band.forward(q, k, v, a, b, _shape(q, k, v), scale, causal, span.delta, need_lse)
+    if few and _on_band(op, doc_start, span.n_q):
+        return band.forward(q, k, v, a, b, _shape(q, k, v), scale, causal, span.delta, need_lse)
     outs, lses, order = [], [], []
     for rows, layout in _packings(doc_start, doc_end):
         qs, ks, vs = (_rows(x, rows) for x in (q, k, v))
         shape = _shape(qs, ks, vs)
         dense = few and shape.seqlen <= FEW_QUERIES
-        plan = make_plan(kind, a, b, span, layout, causal, q.device, tiles=not dense)
+        plan = make_plan(op, a, b, span, layout, causal, q.device, tiles=not dense)
         if dense:
             out, lse = few_queries_forward(qs, ks, vs, plan.bounds, shape, scale, plan.slopes)
         else:
@@ -147,17 +164,17 @@ def run_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
     return _unpack(outs, order), _unpack(lses, order)
 
 
-def run_backward(kind: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlse: Optional[Tensor],
+def run_backward(op: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  a: Tensor, b: Tensor, doc_start: Optional[Tensor], doc_end: Optional[Tensor], causal: bool,
                  scale: float, positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of either op, by tile-wise recomputation (shapes and dtypes of ``q, k, v``)."""
     span = _span(q, k, positions)
-    if _band(kind, doc_start, span.n_q):
-        return torch_band.backward(dout, q, k, v, dlse, a, b, _shape(q, k, v), scale, causal, span.delta)
+    if _on_band(op, doc_start, span.n_q):
+        return band.backward(dout, q, k, v, dlse, a, b, _shape(q, k, v), scale, causal, span.delta)
     grads, order = [], []
     for rows, layout in _packings(doc_start, doc_end):
         qs, ks, vs, dos, ls, dls = (_rows(x, rows) for x in (q, k, v, dout, lse, dlse))
-        plan = make_plan(kind, a, b, span, layout, causal, q.device)
+        plan = make_plan(op, a, b, span, layout, causal, q.device)
         grads.append(backward(dos, qs, ks, vs, ls, plan.groups, plan.bounds, _shape(qs, ks, vs), scale, dls,
                               plan.slopes))
         order.append(rows)
@@ -176,8 +193,8 @@ WINDOW_FWD_NAME = "poslsh::torch_window_fwd"
 WINDOW_BWD_NAME = "poslsh::torch_window_bwd"
 
 
-def _define_ops(kind: str, fwd_name: str, bwd_name: str):
-    """The forward custom op of ``kind`` with its backward op and autograd registered."""
+def _define_ops(op: str, fwd_name: str, bwd_name: str):
+    """The forward custom op of ``op`` with its backward op and autograd registered."""
     @torch.library.custom_op(fwd_name, mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, doc_start: Optional[Tensor],
             doc_end: Optional[Tensor], causal: bool, scale: float, need_lse: bool,
@@ -185,7 +202,7 @@ def _define_ops(kind: str, fwd_name: str, bwd_name: str):
         # The kernel picks its own precision (float32/64 accumulation); autocast
         # would turn its matmuls into bf16 and break the float32 buffers.
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = run_forward(kind, q, k, v, a, b, doc_start, doc_end, causal, scale, need_lse, positions)
+            out, lse = run_forward(op, q, k, v, a, b, doc_start, doc_end, causal, scale, need_lse, positions)
         return out.contiguous(), lse.contiguous()
 
     @fwd.register_fake
@@ -198,7 +215,7 @@ def _define_ops(kind: str, fwd_name: str, bwd_name: str):
             b: Tensor, doc_start: Optional[Tensor], doc_end: Optional[Tensor], causal: bool, scale: float,
             positions: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = run_backward(kind, dout.contiguous(), q, k, v, lse, dlse, a, b, doc_start, doc_end,
+            dq, dk, dv = run_backward(op, dout.contiguous(), q, k, v, lse, dlse, a, b, doc_start, doc_end,
                                       causal, scale, positions)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -222,7 +239,7 @@ def _define_ops(kind: str, fwd_name: str, bwd_name: str):
             # recomputation traced by autograd, so the gradients are differentiable in turn.
             # Same tiles, no n x n tensor, but autograd keeps every chunk's scores alive.
             with torch.autocast(q.device.type, enabled=False):
-                out, lse_again = run_forward(kind, q, k, v, a, b, doc_start, doc_end, ctx.causal, ctx.scale, True,
+                out, lse_again = run_forward(op, q, k, v, a, b, doc_start, doc_end, ctx.causal, ctx.scale, True,
                                              ctx.positions, few=False)
             outputs, seeds = [out], [dout]
             if dlse is not None:
@@ -241,6 +258,7 @@ def _define_ops(kind: str, fwd_name: str, bwd_name: str):
 
 torch_attention_fwd, torch_attention_bwd = _define_ops("sequence", FWD_NAME, BWD_NAME)
 torch_window_fwd, torch_window_bwd = _define_ops("window", WINDOW_FWD_NAME, WINDOW_BWD_NAME)
+FORWARD = {"sequence": torch_attention_fwd, "window": torch_window_fwd}     # by ``positional.op``
 
 
 # On a CPU shared with other work, one intra-op thread for the call. A call is hundreds of
@@ -279,38 +297,31 @@ def _maybe_single_thread(op, q: Tensor, args):
     return op(*args)
 
 
-def attention(kind: str, q: Tensor, k: Tensor, v: Tensor, positional, shape: AttnShape, causal: bool,
-              scale: float, span: Optional[Span] = None, documents=None,
-              return_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Either op on the torch backend: ``(out [B, Hq, n, dv], lse [B, Hq, n] or None)``.
-    ``positional``: :class:`~poslsh.partitions.Partitions` (``"sequence"``) or
-    :class:`~poslsh.AlibiWindow` (``"window"``); ``span`` places the queries and keys
-    (default: self-attention); ``documents``: :class:`~poslsh.documents.Documents` or None."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+def attention(q: Tensor, k: Tensor, v: Tensor, positional, shape: AttnShape, causal: bool, scale: float,
+              span: Optional[Span] = None, documents=None, return_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Either op on the torch backend: ``(out [B, Hq, n, dv], lse [B, Hq, n] or None)``; the op is the
+    one ``positional`` names (``positional.op``: :class:`~poslsh.partitions.Partitions` ``"sequence"``,
+    :class:`~poslsh.AlibiWindow` ``"window"``). ``span`` places the queries and keys (default:
+    self-attention); ``documents``: :class:`~poslsh.documents.Documents` or None."""
+    op = FORWARD.get(positional.op)
+    if op is None:
+        raise ValueError(f"the torch backend of these ops serves {sorted(FORWARD)}, not op {positional.op!r}")
     span = span or Span.self_attention(shape.seqlen)
     need_lse = return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     a, b = positional.tensors()       # partition widths, offsets / window slopes, sizes
     doc_start, doc_end = (None, None) if documents is None else (documents.start, documents.end)
-    op = torch_attention_fwd if kind == "sequence" else torch_window_fwd
     args = (q, k, v, a, b, doc_start, doc_end, bool(causal), float(scale), need_lse,
             [span.q_start, span.k_start, span.seq_len])
     out, lse = _maybe_single_thread(op, q, args)
     return out, (lse if return_lse else None)
 
 
-def _sequence(call):
-    """The registry's entry (``backend="torch"``, op ``"sequence"``)."""
-    return attention("sequence", call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale,
-                     call.span, call.documents, call.return_lse)
-
-
-def _window(call):
-    """The registry's entry (``backend="torch"``, op ``"window"``)."""
-    return attention("window", call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale,
-                     call.span, call.documents, call.return_lse)
+def _entry(call):
+    """The registry's entry (``backend="torch"``, ops ``"sequence"`` and ``"window"``)."""
+    return attention(call.q, call.k, call.v, call.positional, call.shape, call.causal, call.scale, call.span,
+                     call.documents, call.return_lse)
 
 
 FEATURES = ("spans", "documents", "lse")
-register_backend("torch", _sequence, op="sequence", features=FEATURES, preferred=lambda q: True, priority=0)
-register_backend("torch", _window, op="window", features=FEATURES)
+register_backend("torch", _entry, op="sequence", features=FEATURES, preferred=lambda q: True, priority=0)
+register_backend("torch", _entry, op="window", features=FEATURES)

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import AttnShape, compute_dtype
-from .torch_plan import RowBounds
-from .torch_tiles import ChunkMaker, TileGroup
-from .torch_workers import run_items
+from ..._validation import AttnShape, compute_dtype
+from .plan import RowBounds
+from .tiles import ChunkMaker, TileGroup
+from .workers import run_items
 
 __all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", "few_queries_forward"]
 

@@ -1,7 +1,7 @@
 """The torch backend's tile plan: query tiles grouped by padded key-range width
 (:class:`TileGroup`) and the chunks the kernels loop over (:class:`Chunk`), each with its
 additive bias: ``log count`` (built by difference arrays) plus, for the window op, ALiBi's
-``-m_h |i - j|``. Input: the :class:`~.torch_plan.RowBounds` of any op. Plain torch.
+``-m_h |i - j|``. Input: the :class:`~.plan.RowBounds` of any op. Plain torch.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import AttnShape
-from .torch_plan import RowBounds
+from ..._validation import AttnShape
+from .plan import RowBounds
 
 __all__ = ["CHUNK_ELEMENTS", "TileGroup", "Chunk", "choose_tiles", "plan_tiles", "ChunkMaker", "iter_chunks",
            "score_elements"]
