@@ -194,7 +194,7 @@ def cache_summary(cache) -> str:
 def certificate_summary(cfg: GenerateConfig, cache) -> Optional[str]:
     """With ``--tol``: one line on what the certificate found, in this command's words (the library's
     per-head warnings are held back during generation, so the streamed text stays clean); else None."""
-    from poslsh.integrations.hf_cache import PoslshCache
+    from poslsh.integrations.hf.cache import PoslshCache
 
     if not cfg.tol or not isinstance(cache, PoslshCache):
         return None
