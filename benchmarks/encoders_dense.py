@@ -15,6 +15,7 @@ and the en layout as ports describe it): padded throughout, the mask ``(1 - mask
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -37,8 +38,10 @@ def original_slopes(n: int):
     return power_of_2(c) + original_slopes(2 * c)[0::2][: n - c]
 
 
+@functools.lru_cache(maxsize=1)
 def alibi_table(heads: int, size: int) -> torch.Tensor:
-    """``[1, H, size, size]`` float32: ``torch.Tensor(slopes) * -|i - j|``, as the models build it."""
+    """``[1, H, size, size]`` float32: ``torch.Tensor(slopes) * -|i - j|``, as the models build it (and
+    keep: the last one is cached, as the model keeps it until a longer input comes)."""
     pos = torch.arange(size)
     rel = (pos[None, :] - pos[:, None]).abs().view(1, size, size).expand(heads, -1, -1)
     return (torch.Tensor(original_slopes(heads)).unsqueeze(1).unsqueeze(1) * -rel).unsqueeze(0)
@@ -138,18 +141,22 @@ def dense_forward(layout: str, config: dict, state: Dict[str, torch.Tensor], inp
 
 def random_state(layout: str, *, hidden: int, heads: int, layers: int, intermediate: int, vocab: int,
                  head: str = "none", pooler: bool = False, labels: int = 3, seed: int = 0,
-                 std: float = 0.02) -> Dict[str, torch.Tensor]:
+                 bert_init: bool = False) -> Dict[str, torch.Tensor]:
     """A random float32 state dict in the original layout (names and shapes of the facts sheet):
     ``head`` ``"none"`` (base model keys, ``pooler.*`` with ``pooler``), ``"mlm"`` (``bert.`` + ``cls.*``,
     the decoder weight the word embeddings' values) or ``"classification"`` (``bert.`` with its pooler,
-    ``classifier.*``). LayerNorms get random gains and biases too, so every parameter matters."""
+    ``classifier.*``). For tests, LayerNorms get random gains and biases too and the projections larger
+    scales, so every parameter and the positions matter; ``bert_init``: BERT's initialisation instead
+    (every matrix N(0, 0.02), LayerNorms 1 and 0: what a benchmark of speed needs)."""
     g = torch.Generator().manual_seed(seed)
     H, I = hidden, intermediate
 
-    def rnd(*shape, scale=std):
-        return torch.randn(*shape, generator=g) * scale
+    def rnd(*shape, scale=0.02):
+        return torch.randn(*shape, generator=g) * (0.02 if bert_init else scale)
 
     def norm(name):
+        if bert_init:
+            return {name + ".weight": torch.ones(H), name + ".bias": torch.zeros(H)}
         return {name + ".weight": 1 + rnd(H, scale=0.1), name + ".bias": rnd(H, scale=0.1)}
 
     s = {"embeddings.word_embeddings.weight": rnd(vocab, H, scale=1.0),

@@ -134,6 +134,8 @@ def load_alibi_encoder(path, *, window=None, tol: Optional[float] = None, dtype:
         BERT, a RoPE encoder, an unknown layout) or whose weights do not fit its layout.
     """
     check_window(window, tol)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: a floating torch.dtype (float32, float64, bfloat16, float16), got {dtype!r}")
     directory = _directory(path)
     where = str(path)
     if not (directory / "config.json").exists():
