@@ -12,7 +12,8 @@ Inputs: ``512``: a batch of 8 rows of different real lengths (512 down to 96, me
 original would need a 51 GB bias and as many scores per layer).
 Methods: ``dense`` (the baseline), ``exact`` (``load_alibi_encoder(path)``), ``certified``
 (``window="certified", tol=1e-3``; the windows reported, and the largest difference of the mean-pooled
-embedding from exact's).
+embedding from exact's) and, timed only, ``floor`` (``window=0``: each token sees itself; the model's
+projections, MLP and norms with almost no attention, the floor under any attention method's time).
 Time: the methods of one input timed in interleaved rounds, best kept (``bench_common.best_of_rounds``).
 Peak memory: each (method, input) runs one forward in a fresh subprocess (``--worker``): after the model
 and inputs are built its peak resident set is restarted (``/proc/self/clear_refs``) and the forward's
@@ -74,7 +75,8 @@ def contender(method: str, ckpt: Path):
         cfg, state = json.loads((ckpt / "config.json").read_text()), load_file(str(ckpt / "model.safetensors"))
         return lambda ids, mask: dense_forward("mosaic", cfg, state, ids, mask)["last_hidden_state"]
     from poslsh.integrations.encoders import load_alibi_encoder
-    model = load_alibi_encoder(ckpt, **({"window": "certified", "tol": TOL} if method == "certified" else {}))
+    kwargs = {"certified": {"window": "certified", "tol": TOL}, "floor": {"window": 0}}.get(method, {})
+    model = load_alibi_encoder(ckpt, **kwargs)
     fn = lambda ids, mask: model(ids, mask).last_hidden_state  # noqa: E731
     fn.model = model
     return fn
@@ -143,7 +145,7 @@ def main(argv=None) -> None:
         ckpt = make_checkpoint(Path(tmp) / "few", args.layers)
         for name in ("512", "4096"):
             load = os.getloadavg()[0]
-            row = side_by_side(name, ckpt, args.rounds, ("dense", "exact", "certified"))
+            row = side_by_side(name, ckpt, args.rounds, ("dense", "exact", "certified", "floor"))
             row["memory"] = {m: run_worker(m, name, ckpt) for m in ("dense", "exact", "certified")}
             row["load"] = [load, os.getloadavg()[0]]
             result["rows"].append(row)
@@ -165,7 +167,7 @@ def main(argv=None) -> None:
             continue
         d = r["methods"]["dense"]["best_s"]
         for m, t in r["methods"].items():
-            mem = r["memory"][m]
+            mem = r["memory"].get(m, {})
             rows.append((r["input"], m, f"{t['best_s']:.3f}", f"{d / t['best_s']:.2f}x", f"{t['tokens_per_s']:.0f}",
                          f"{mem.get('peak_gib', float('nan')):.2f}"))
     print(markdown_table(("input", "method", f"s ({args.layers} layers)", "vs dense", "tokens/s", "peak GiB"), rows))

@@ -29,8 +29,9 @@ __all__ = ["EncoderAlibi", "check_window"]
 
 
 def logit_range_bound(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """The decoders' rigorous logit-spread bound (float64 ``[H]``), imported where it is defined."""
-    from ..hf_alibi_layer import certified_logit_range   # noqa: PLC0415 (needs transformers; only on this path)
+    """The decoders' rigorous logit-spread bound (float64 ``[H]``), imported where it is defined (its
+    module's imports need transformers: only certified windows do)."""
+    from ..hf_alibi_layer import certified_logit_range   # noqa: PLC0415
     return certified_logit_range(q, k, scale)
 
 
@@ -97,8 +98,7 @@ class EncoderAlibi:
             got = windowed_alibi_attention(qc, kc, vc, positional.slopes, window=positional.window, causal=False,
                                            scale=self.scale, backend=self.backend, cu_seqlens=cu, return_lse=correct)
             if correct:
-                got = f32_table_correction(qc, kc, vc, *got, self.slopes, self.scale,
-                                           logit_range_bound(qc, kc, self.scale), cu)
+                got = f32_table_correction(qc, kc, vc, *got, self.slopes, self.scale, cu)
             outs.append(got)
         if self.mode == "window":
             self.last["window"] = self.positional.window.tolist()

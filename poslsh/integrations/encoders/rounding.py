@@ -11,9 +11,10 @@ with ``p_ij = exp(s_ij - m d_ij - lse_i)`` the op's probabilities and
 ``delta_ij = exp(m d_ij - f32(m d_ij)) - 1`` (the original's weight over the op's, minus 1),
 ``out'_i = out_i + sum_j p_ij delta_ij (v_j - out_i) / (1 + sum_j p_ij delta_ij)``
 is the softmax with the original's bias (``Z' = Z (1 + sum p delta)``). The sum runs over the band
-``|i - j| <= W_h``, ``W_h = ceil((R_h + 40) / m_h)`` with ``R_h`` a bound on the logit spread
-(:func:`certified_logit_range`): beyond it ``p_ij <= e^{R - m d} < e^{-40}`` and
-``|delta| <= 2^-24 m d``, so the terms left out are below 1e-20 of the values. Query tiles
+``|i - j| <= W_h``, ``W_h = ceil((R_h + 40) / m_h)``, ``R_h = 2 scale max ||q|| max ||k||``: the query's
+own key is always in its sum, so ``lse_i >= s_ii`` and ``p_ij <= e^{|s_ij| + |s_ii| - m d} <= e^{R - m d}``,
+below ``e^-40`` past the band, where ``|delta| <= 2^-24 m d``: the terms left out are below 1e-20 of
+the values. Query tiles
 against their band of keys: ``O(N W d)`` time, ``O(tile (tile + 2W))`` memory per tile (autograd
 keeps the tiles: ``O(N W)``), only for the heads that need it and only in float64.
 """
@@ -46,14 +47,14 @@ def _table_delta(slope32: float, dist: Tensor) -> Tensor:
 
 
 def f32_table_correction(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, slopes32: Tensor,
-                         scale: float, logit_range: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                         scale: float, cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """``out`` of exact ALiBi with float64 slopes (``[1, H, N, dv]``, its ``lse [1, H, N]``) turned into
     the original's: the float32 table on the heads :func:`inexact_heads` names.
 
     Args:
         q, k, v: ``[1, H, N, d]`` float64 (one call's tokens; packed documents by ``cu_seqlens``).
         slopes32: ``[H]`` the float32 slopes (any float dtype holding float32 values).
-        scale: the logit scale. logit_range: float64 ``[H]``, a bound on each head's logit spread.
+        scale: the logit scale.
         cu_seqlens: int ``[D + 1]`` document offsets, or None (one document).
     Returns:
         ``[1, H, N, dv]``, differentiable in ``q, k, v`` (through ``out`` and ``lse`` too).
@@ -66,13 +67,14 @@ def f32_table_correction(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
         cu = cu_seqlens.to(q.device, torch.int64)
         doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff(), output_size=N)
         longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    bound = (2.0 * abs(scale) * q.detach().norm(dim=-1).amax(-1) * k.detach().norm(dim=-1).amax(-1))[0]   # [H]
     heads = []
     for h in range(H):
         m = float(slopes32[h])
         if not bool(inexact_heads(slopes32[h:h + 1])[0]) or N < 2:
             heads.append(out[:, h])
             continue
-        band = min(longest - 1, math.ceil((float(logit_range[h]) + MARGIN) / m))
+        band = min(longest - 1, math.ceil((float(bound[h]) + MARGIN) / m))
         pieces = []
         for i0 in range(0, N, TILE):
             i1 = min(N, i0 + TILE)
