@@ -74,7 +74,7 @@ def contender(method: str, ckpt: Path):
         from safetensors.torch import load_file
         cfg, state = json.loads((ckpt / "config.json").read_text()), load_file(str(ckpt / "model.safetensors"))
         return lambda ids, mask: dense_forward("mosaic", cfg, state, ids, mask)["last_hidden_state"]
-    from poslsh.integrations.encoders import load_alibi_encoder
+    from poslsh.integrations.hf.encoders import load_alibi_encoder
     kwargs = {"certified": {"window": "certified", "tol": TOL}, "floor": {"window": 0}}.get(method, {})
     model = load_alibi_encoder(ckpt, **kwargs)
     fn = lambda ids, mask: model(ids, mask).last_hidden_state  # noqa: E731

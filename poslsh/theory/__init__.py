@@ -20,7 +20,7 @@ from .nd import (delta_p_prime, dense_mask_errors, general_output_error_bound, k
                  realized_output_error_bound)
 from .norms import MaskErrors, mask_error_matvec, mask_error_norms, max_norm_error, spectral_norm_error
 from .output import InstanceStats, delta_p, instance_stats, output_error_bound, smallest_constant
-from .window import logit_range, smallest_window, window_error_bound, window_tail_ratio
+from .window import logit_range, logit_range_bound, smallest_window, window_error_bound, window_tail_ratio
 
 __all__ = [
     "psi", "alibi_norm_bound", "spectral_expectation_bound", "spectral_tail_probability",
@@ -33,5 +33,5 @@ __all__ = [
     "dense_mask_errors", "kernel_instance_stats", "delta_p_prime", "general_output_error_bound",
     "realized_output_error_bound",
     # exact ALiBi cut at a window (poslsh.window.theory)
-    "window_tail_ratio", "window_error_bound", "smallest_window", "logit_range",
+    "window_tail_ratio", "window_error_bound", "smallest_window", "logit_range", "logit_range_bound",
 ]

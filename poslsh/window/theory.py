@@ -59,7 +59,7 @@ from torch import Tensor
 
 from .kind import NO_WINDOW
 
-__all__ = ["window_tail_ratio", "window_error_bound", "smallest_window", "logit_range"]
+__all__ = ["window_tail_ratio", "window_error_bound", "smallest_window", "logit_range", "logit_range_bound"]
 
 Number = Union[int, float, Tensor]
 
@@ -257,3 +257,16 @@ def logit_range(q: Tensor, k: Tensor, *, causal: bool = True, scale: Optional[fl
             hi_, lo_ = s.amax(-1), s.amin(-1)
         out = torch.maximum(out, (hi_ - lo_).amax(dim=(0, 2)))
     return out
+
+
+def logit_range_bound(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """An ``O(B H n d)`` bound on each query head's logit spread ``max_i (max_j s_ij - min_j s_ij)`` over
+    ``q [B, Hq, nq, d]`` and ``k [B, Hkv, nk, d]`` (``s = scale q . k``, any keys, no bias): float64 ``[Hq]``,
+    ``2 |scale| max_i ||q_i|| max_j ||k_j - kbar||`` (max over the batch; ``kbar`` the keys' mean), by
+    Cauchy-Schwarz: ``|q_i . (k_j - k_l)| <= ||q_i|| ||k_j - k_l|| <= 2 ||q_i|| max_j ||k_j - kbar||``. Looser than
+    :func:`logit_range` (which is exact and dense), and what a call's certified window needs: a bound, no
+    ``n x n``."""
+    qd, kd = q.detach().to(torch.float64), k.detach().to(torch.float64)
+    qn = qd.norm(dim=-1).amax(dim=(0, 2))                                                 # [Hq]
+    kn = (kd - kd.mean(dim=2, keepdim=True)).norm(dim=-1).amax(dim=(0, 2))                # [Hkv]
+    return 2.0 * abs(float(scale)) * qn * kn.repeat_interleave(qd.shape[1] // kd.shape[1])

@@ -8,9 +8,8 @@ pytest.importorskip("transformers")
 
 import poslsh  # noqa: E402
 from poslsh.integrations.hf import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
-from poslsh.integrations.hf.alibi.layer import certified_logit_range  # noqa: E402
 from poslsh.reference import alibi_attention_reference  # noqa: E402
-from poslsh.theory import logit_range, smallest_window  # noqa: E402
+from poslsh.theory import logit_range, logit_range_bound, smallest_window  # noqa: E402
 from poslsh.window import make_window  # noqa: E402
 
 from alibi_reference import left_padded_batch, real_tokens, reference_model, tiny_model  # noqa: E402
@@ -62,7 +61,7 @@ def test_certified_windows_equal_the_oracle_and_keep_the_guarantee():
 def test_the_certified_logit_range_bounds_the_measured_one_and_the_dropped_mass():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 8, generator=g, dtype=torch.float64) * 0.5 for _ in range(3))
-    R = certified_logit_range(q, k, 0.35)
+    R = logit_range_bound(q, k, 0.35)
     assert (R >= logit_range(q, k, scale=0.35)).all()
     slopes = poslsh.alibi_slopes(4)
     for tol in (1e-2, 1e-4):

@@ -11,12 +11,14 @@ Two families of models, each a sub-package, on shared pieces below them:
   after that reloads as itself with plain ``AutoModelForCausalLM.from_pretrained`` once poslsh is imported.
 * :mod:`.alibi`: unmodified BLOOM, MPT and Falcon (``alibi=True``) on the library's ops (:func:`patch_alibi`),
   one module per model family under :mod:`.alibi.families`.
+* :mod:`.encoders`: the ALiBi encoders (MosaicBERT, DNABERT-2, Jina-BERT-v2) loaded natively from their
+  checkpoints (:func:`load_alibi_encoder`), no remote code; they need no transformers class.
 
 Below them, what both families use: :mod:`.cache` (:class:`PoslshCache`, the bounded KV cache of
 ``generate()``), and the shared pieces :mod:`.rows` (batch rows at their own positions, one op call per group of
 rows), :mod:`.masks` (padding and packed documents) and :mod:`.config` (:class:`PositionalConfig`, the scheme a
 converted model saves; the cache keys on it). Every import points down
-(``hf -> schemes | alibi -> cache -> rows, masks, config``; ``tests/test_architecture.py``), and the families never
+(``hf -> schemes | alibi | encoders -> cache -> rows, masks, config``; ``tests/test_architecture.py``), and the families never
 import each other: a new family of models is a sibling sub-package.
 
 Importing any module of this package first checks the installed transformers (one line naming what to install)
@@ -31,6 +33,7 @@ require_transformers()      # one line naming what to install, before the import
 from .alibi import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
 from .cache import PoslshCache, enable_generation_cache, generation_cache  # noqa: E402
 from .config import IMPLEMENTATIONS, SCHEME_RULES, SCHEMES, PositionalConfig, positional_config  # noqa: E402
+from .encoders import load_alibi_encoder, pool_embeddings  # noqa: E402
 from .schemes import (CONTEXT_KWARG, NO_ROTATION, STEP_KWARG, LayerState, NoRotaryEmbedding,  # noqa: E402
                       alibi_attention_forward, alibi_window_attention_forward, apply_positional_scheme,
                       attention_forward, fixed_blocks_attention_forward, from_pretrained, layer_partitions,
@@ -42,6 +45,7 @@ __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "reg
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
            "layer_positional", "PoslshCache", "generation_cache",
-           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache"]
+           "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache",
+           "load_alibi_encoder", "pool_embeddings"]
 
 register()       # the implementations and the rope type, on import (idempotent)

@@ -8,7 +8,7 @@ import torch
 
 import encoders_reference as R
 from inputs import LargestTensor
-from poslsh.integrations.encoders import load_alibi_encoder, pool_embeddings
+from poslsh.integrations.hf.encoders import load_alibi_encoder, pool_embeddings
 
 LENGTHS = [1, 2, 97, 300, 600, 37]          # solo rows (>= 256) and packed runs of short ones
 

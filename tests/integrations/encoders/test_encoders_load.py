@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import encoders_reference as R
-from poslsh.integrations.encoders import (AlibiEncoderForMaskedLM, AlibiEncoderModel, load_alibi_encoder,
+from poslsh.integrations.hf.encoders import (AlibiEncoderForMaskedLM, AlibiEncoderModel, load_alibi_encoder,
                                           pool_embeddings, read_state_dict)
 
 

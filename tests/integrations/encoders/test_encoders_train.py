@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import encoders_reference as R
 from inputs import assert_compiles_like_eager
-from poslsh.integrations.encoders import load_alibi_encoder
+from poslsh.integrations.hf.encoders import load_alibi_encoder
 
 
 @pytest.mark.parametrize("layout,heads", [("mosaic", 12), ("jina-qk-norm", 4)])

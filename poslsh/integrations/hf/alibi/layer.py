@@ -22,12 +22,12 @@ from ....partitions import Partitions, sample_partitions
 from ....positional import Positional
 from ....seeding import stable_seed
 from ....window.kind import NO_WINDOW, AlibiWindow, make_window
-from ....window.theory import smallest_window
+from ....window.theory import logit_range_bound, smallest_window
 from .attend import attend_rows, update_kv
 from .call import call_of
 from .cache import attend_cached, windowed_cache_of
 
-__all__ = ["LayerAlibi", "STATS_MODES", "keeps_every_key", "layer_attention", "certified_logit_range"]
+__all__ = ["LayerAlibi", "STATS_MODES", "keeps_every_key", "layer_attention"]
 
 
 # alibi_stats()'s "mode" field is a word for people reading the report (documented in docs/alibi_models.md), so
@@ -104,7 +104,7 @@ class LayerAlibi:
             if self.positional.device != query.device:
                 self.positional = self.positional.to(query.device)
             return self.positional
-        R = certified_logit_range(query, key, self.scale)
+        R = logit_range_bound(query, key, self.scale)
         w = smallest_window(self.tol, 1.0 / self.slopes, R.cpu(), causal=True, n=max(int(key.shape[2]), 1))
         self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2])}
         return make_window(self.slopes.to(query.device), w.to(query.device))
@@ -120,17 +120,6 @@ class LayerAlibi:
         else:
             out["window"] = None if self.exact else self.positional.window.tolist()
         return out
-
-
-def certified_logit_range(query: Tensor, key: Tensor, scale: float) -> Tensor:
-    """A bound on each query head's logit spread ``max_i (max_j s_ij - min_j s_ij)`` over this call's
-    ``query [B, Hq, nq, d]`` and ``key [B, Hkv, nk, d]`` (``s = scale q . k``): float64 ``[Hq]``,
-    ``2 |scale| max_i ||q_i|| max_j ||k_j - kbar||`` (max over the batch), by Cauchy-Schwarz."""
-    q, k = query.detach().to(torch.float64), key.detach().to(torch.float64)
-    qn = q.norm(dim=-1).amax(dim=(0, 2))                                                  # [Hq]
-    kn = (k - k.mean(dim=2, keepdim=True)).norm(dim=-1).amax(dim=(0, 2))                  # [Hkv]
-    kn = kn.repeat_interleave(q.shape[1] // k.shape[1])
-    return 2.0 * abs(scale) * qn * kn
 
 
 def layer_attention(module, query: Tensor, key: Tensor, value: Tensor, mask, cache, dropout: float) -> Tensor:

@@ -5,8 +5,8 @@ certified windows, through :func:`poslsh.windowed_alibi_attention` (non-causal, 
 The slopes are the original's: the ALiBi rule's slopes rounded to float32 (the models build them
 with ``torch.Tensor(slopes)``), given to the op as float64 values. Certified windows
 (``window="certified"``, ``tol``): per call the logit spread bound of
-:func:`~poslsh.integrations.hf_alibi_layer.certified_logit_range` (Cauchy-Schwarz on this call's
-q and k) and :func:`poslsh.window.smallest_window` with ``causal=False`` and ``n`` the call's
+:func:`poslsh.theory.logit_range_bound` (Cauchy-Schwarz on this call's
+q and k) and :func:`poslsh.theory.smallest_window` with ``causal=False`` and ``n`` the call's
 longest row: every query's dropped softmax mass is ``<= tol`` (a guarantee for that call).
 """
 from __future__ import annotations
@@ -18,21 +18,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...alibi import alibi_slopes
-from ...window.kind import NO_WINDOW, AlibiWindow, make_window
-from ...window.op import windowed_alibi_attention
-from ...window.theory import smallest_window
+from ....alibi import alibi_slopes
+from ....window.kind import NO_WINDOW, AlibiWindow, make_window
+from ....window.op import windowed_alibi_attention
+from ....window.theory import logit_range_bound, smallest_window
 from .rounding import f32_table_correction, inexact_heads
 from .tokens import Tokens
 
 __all__ = ["EncoderAlibi", "check_window"]
-
-
-def logit_range_bound(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """The decoders' rigorous logit-spread bound (float64 ``[H]``), imported where it is defined (its
-    module's imports need transformers: only certified windows do)."""
-    from ..hf_alibi_layer import certified_logit_range   # noqa: PLC0415
-    return certified_logit_range(q, k, scale)
 
 
 def check_window(window, tol) -> None:

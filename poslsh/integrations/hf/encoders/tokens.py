@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..._validation import require_values
+from ...._validation import require_values
 
 __all__ = ["Tokens", "unpad", "repad", "SOLO_TOKENS"]
 
