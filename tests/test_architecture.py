@@ -28,7 +28,8 @@ FLOORS: List[Tuple[str, List[str]]] = [
     ("integrations", ["poslsh.integrations"]),      # the tested transformers range
     # the Hugging Face integration (poslsh/integrations/hf/): the pieces both families of models share, the
     # cache they both decode on, the families side by side (each its own sub-package), the public face
-    ("hf shared", ["poslsh.integrations.hf.config", "poslsh.integrations.hf.masks", "poslsh.integrations.hf.rows"]),
+    ("hf shared", ["poslsh.integrations.hf.config", "poslsh.integrations.hf.masks", "poslsh.integrations.hf.rows",
+                   "poslsh.integrations.hf.dense"]),
     ("hf cache", ["poslsh.integrations.hf.cache"]),
     ("hf model families", ["poslsh.integrations.hf.schemes", "poslsh.integrations.hf.alibi",
                            "poslsh.integrations.hf.encoders"]),

@@ -120,12 +120,33 @@ def test_refusals_are_one_line(tmp_path):
     _refused("one contiguous run", model, ids, mask)
 
 
-def test_training_with_attention_dropout_is_refused_until_it_is_zero(tmp_path):
-    d, cfg, st = R.checkpoint(tmp_path, "mosaic", config_extra={"attention_probs_dropout_prob": 0.1})
-    model = load_alibi_encoder(d)
-    _refused("attention_probs_dropout_prob is 0.1", model.train)
-    model.config.attention_dropout = 0.0
-    assert model.train().training
+def test_training_with_attention_dropout_drops_probabilities_exactly(tmp_path, monkeypatch):
+    """attention_probs_dropout_prob > 0 in train mode: the rows attend dense per query chunk with dropout on
+    the probabilities (the original's torch path); with the dropout itself made the identity that path is the
+    eval output, and with it each seed draws its own masks, reproducibly, with gradients."""
+    from poslsh.integrations.hf import dense
+    d, cfg, st = R.checkpoint(tmp_path, "mosaic", config_extra={"attention_probs_dropout_prob": 0.3,
+                                                                 "hidden_dropout_prob": 0.0})
+    model = load_alibi_encoder(d, dtype=torch.float64)
+    ids, mask, tt = R.padded_batch([7, 300, 40], cfg["vocab_size"], seed=3)
+    with torch.no_grad():
+        evaluated = model(ids, mask, tt).last_hidden_state
+    model.train()
+    with monkeypatch.context() as m:
+        m.setattr(dense.torch.nn.functional, "dropout", lambda w, p=0.5, training=True, inplace=False: w)
+        with torch.no_grad():
+            undropped = model(ids, mask, tt).last_hidden_state
+    assert (undropped - evaluated).abs().max() <= 1e-12
+    torch.manual_seed(4)
+    with torch.enable_grad():                       # this file's fixture runs every test without autograd
+        a = model(ids, mask, tt).last_hidden_state
+        a.sum().backward()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        again = model(ids, mask, tt).last_hidden_state
+    assert torch.equal(a.detach(), again) and (a.detach() - evaluated).abs().max() > 1e-3
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert torch.equal(a.detach()[~mask.bool()], torch.zeros_like(a.detach()[~mask.bool()]))
 
 
 def test_a_tokenizers_batch_to_pooled_embeddings(tmp_path):

@@ -22,6 +22,7 @@ from ....alibi import alibi_slopes
 from ....window.kind import NO_WINDOW, AlibiWindow, make_window
 from ....window.op import windowed_alibi_attention
 from ....window.theory import logit_range_bound, smallest_window
+from ..dense import chunked_attention
 from .rounding import f32_table_correction, inexact_heads
 from .tokens import Tokens
 
@@ -77,9 +78,11 @@ class EncoderAlibi:
         self.last["window"] = [max(a, b) for a, b in zip(self.last.get("window", [0] * len(w)), w.tolist())]
         return make_window(self.slopes.to(q.device), w.to(q.device))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, tokens: Tokens) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, tokens: Tokens, dropout: float = 0.0) -> Tensor:
         """``q, k, v [nnz, H, d]`` (the unpadded tokens) -> ``[nnz, H, d]``: every row attends to its
-        own tokens only, per :attr:`Tokens.calls`."""
+        own tokens only, per :attr:`Tokens.calls`. ``dropout > 0`` (training with the checkpoint's
+        ``attention_probs_dropout_prob``): dropout on the probabilities, as the original's torch path,
+        exact and dense per chunk of queries of each row (:func:`..dense.chunked_attention`)."""
         self.last = {}
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))                 # [1, H, nnz, d]
         correct = (q.dtype == torch.float64 and self.mode == "exact" and bool(inexact_heads(self.slopes).any()))
@@ -88,6 +91,9 @@ class EncoderAlibi:
             qc, kc, vc = qh[:, :, first:end], kh[:, :, first:end], vh[:, :, first:end]
             longest = end - first if cu is None else int(cu.diff().max())
             positional = self._positional(qc, kc, longest)
+            if dropout > 0:
+                outs.append(self._dropped(qc, kc, vc, positional, cu, dropout))
+                continue
             got = windowed_alibi_attention(qc, kc, vc, positional.slopes, window=positional.window, causal=False,
                                            scale=self.scale, backend=self.backend, cu_seqlens=cu, return_lse=correct)
             if correct:
@@ -99,3 +105,14 @@ class EncoderAlibi:
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         return out[0].transpose(0, 1)
+
+    def _dropped(self, q: Tensor, k: Tensor, v: Tensor, positional: AlibiWindow, cu: Optional[Tensor],
+                 p: float) -> Tensor:
+        """One call's rows with dropout ``p`` on the probabilities: each row (document) dense per query chunk."""
+        bounds = [0, q.shape[2]] if cu is None else cu.tolist()
+        parts = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            pos = torch.arange(b - a, device=q.device)
+            parts.append(chunked_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positional, self.scale, pos,
+                                           pos, p=p))
+        return torch.cat(parts, 2)

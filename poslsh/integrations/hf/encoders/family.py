@@ -38,8 +38,8 @@ class EncoderConfig:
     ``head_norm_eps``: the MLM transform's LayerNorm eps (MosaicBERT hard-codes 1e-12; Jina uses
     ``layer_norm_eps``). ``glu_activation``: the GLU gate (``"gelu"``: exact erf GELU, or
     ``"relu"``). ``head_activation``: ``hidden_act`` of the MLM transform. ``attention_dropout``: the
-    checkpoint's ``attention_probs_dropout_prob`` (training with it above 0 is refused: the
-    library's attention drops no probabilities). ``raw``: ``config.json`` as read (written back on save)."""
+    checkpoint's ``attention_probs_dropout_prob`` (in training, dropout on the probabilities: the
+    rows then attend dense per query chunk, as the original's torch path). ``raw``: ``config.json`` as read (written back on save)."""
 
     layout: str
     hidden_size: int

@@ -62,6 +62,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         self.num_heads, self.head_dim, self.layout = cfg.num_heads, cfg.head_dim, cfg.layout
+        self.config = cfg                   # its attention_dropout is read at each call (a user may change it)
         if cfg.layout == "mosaic":
             self.Wqkv = nn.Linear(H, 3 * H)
         else:
@@ -81,7 +82,8 @@ class SelfAttention(nn.Module):
             if self.layout == "jina-qk-norm":
                 q, k = self.layer_norm_q(q), self.layer_norm_k(k)
             q, k, v = (t.view(nnz, *heads) for t in (q, k, v))
-        return self.alibi.attend(q, k, v, tokens).reshape(nnz, -1)
+        p = float(self.config.attention_dropout) if self.training else 0.0
+        return self.alibi.attend(q, k, v, tokens, dropout=p).reshape(nnz, -1)
 
 
 class SelfOutput(nn.Module):

@@ -73,14 +73,6 @@ class _Saving(nn.Module):
             torch.save(state, path / "pytorch_model.bin")
         return path
 
-    def train(self, mode: bool = True):
-        if mode and self.config.attention_dropout > 0:
-            raise ValueError(f"attention_probs_dropout_prob is {self.config.attention_dropout}: the unpadded attention "
-                             "drops no probabilities; set model.config.attention_dropout = 0.0 to train (MosaicBERT's "
-                             "own fast path needs 0 too)")
-        return super().train(mode)
-
-
 class AlibiEncoderModel(_Saving):
     """The base encoder (``embeddings``, ``encoder``, ``pooler`` where the checkpoint has one)."""
 
