@@ -3,12 +3,15 @@
 
 Every chunk is a batched matmul ``[B, U, T, d] x [B, U, d, R]`` plus the chunk's bias (see
 :class:`~.torch_tiles.ChunkMaker`); a query row's whole key range lies in its one tile, so the
-softmax of a row is complete inside one chunk and every output row is written once.
+softmax of a row is complete inside one chunk and every output row is written once. The chunks
+run on threads (:mod:`.torch_workers`); several reach the same key rows, so each returns its part
+of ``dk``, ``dv`` and the parts are added one chunk at a time in one fixed order: outputs and
+gradients are bitwise the same for identical calls, whatever the thread count.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -84,15 +87,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
-def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks: Iterable,
-                   shape: AttnShape, scale: float, probabilities: Callable,
-                   dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention-2's backward over ``chunks`` (anything with ``rows, out_rows, kv_rows,
-    units, tile, width``, or a :class:`~.torch_tiles.ChunkMaker`, whose chunks run on threads),
-    shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
-    lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved ``lse [B, Hq, n]``.
-    ``dlse [B, Hq, n]`` (optional): the gradient reaching the log-sum-exp, which adds
-    ``P_ij dlse_i`` to ``ds_ij`` (``d lse_i / d s_ij = P_ij``).
+def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks, shape: AttnShape,
+                   scale: float, probabilities: Callable, dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward over ``chunks`` (a maker: ``specs``, ``cost(spec)`` and
+    ``make(spec)`` giving a chunk with ``rows, out_rows, kv_rows, units, tile, width``, as
+    :class:`~.torch_tiles.ChunkMaker`), shared by the 1-D and 2-D torch ops; ``probabilities(Qg,
+    Kg, chunk, lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved
+    ``lse [B, Hq, n]``. ``dlse [B, Hq, n]`` (optional): the gradient reaching the log-sum-exp,
+    which adds ``P_ij dlse_i`` to ``ds_ij`` (``d lse_i / d s_ij = P_ij``).
+
+    The chunks run on threads (:func:`~.torch_workers.run_items`); each returns its parts of
+    ``dq, dk, dv`` and they are added in the one order of :func:`~.torch_workers.run_items`'s
+    ``commit`` (several chunks reach the same key rows): bitwise the same gradients whatever the
+    threads.
 
     A row's whole key range lies in one tile, so each recomputed row is renormalised to sum to
     1: with logits ~1e4 the float32 ``lse`` is off by ~1e-3 absolute, ``exp(s - lse)`` then
@@ -114,9 +121,9 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
     dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
     tiny = torch.finfo(ct).tiny
-    adds = threading.Lock()                  # chunks add into shared key rows (and the sink row)
 
-    def run(c):
+    def run(spec):
+        c = chunks.make(spec)
         U, T, R = c.units, c.tile, c.width
         Qg = gather_rows(qf, c.rows, U, T)
         Kg = gather_rows(kf, c.kv_rows, U, R)
@@ -132,16 +139,15 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
         ds = dp.sub_(shift).mul_(p)
         gq = torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1)
         gk = torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1)
-        with adds:
-            dv.index_add_(1, c.kv_rows, gv)
-            dq.index_add_(1, c.out_rows, gq)
-            dk.index_add_(1, c.kv_rows, gk)
+        return c.out_rows, c.kv_rows, gq, gk, gv
 
-    if hasattr(chunks, "specs"):             # a maker: its chunks are built and run on threads
-        run_items(chunks.specs, lambda spec: run(chunks.make(spec)), cost=chunks.cost)
-    else:
-        for c in chunks:
-            run(c)
+    def commit(spec, part):                  # one chunk at a time, in one order: see run_items
+        out_rows, kv_rows, gq, gk, gv = part
+        dv.index_add_(1, kv_rows, gv)
+        dq.index_add_(1, out_rows, gq)
+        dk.index_add_(1, kv_rows, gk)
+
+    run_items(chunks.specs, run, cost=chunks.cost, commit=commit)
     return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
