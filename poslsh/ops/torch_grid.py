@@ -20,8 +20,8 @@ and tiles. Raster-causal attention masks keys after the query in raster order.
 
 Backward is flash-attention 2's, recomputed tile by tile from the saved log-sum-exp. Chunks run on
 threads, the key gradients added in one fixed order (:mod:`.torch_workers`): bitwise the same
-results whatever the thread count. Memory is
-``O(n (d + s))`` plus one bounded chunk: no ``n x n`` tensor. Both directions are
+results whatever the thread count. Memory is ``O(n (d + s))`` plus a few bounded chunks: no
+``n x n`` tensor. Both directions are
 ``torch.library`` custom ops. The log-sum-exp is computed but not offered (``return_lse``): its
 gradient would need the backward op to pass ``dlse`` on to :func:`~poslsh.ops.torch_kernels.tiled_backward`.
 """
