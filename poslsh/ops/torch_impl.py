@@ -30,8 +30,8 @@ row bounds (positions restart per document) and tiles that restart at every docu
 Backward is flash-attention 2's with the weighted probabilities, recomputed tile by tile
 from the saved ``lse``, through the ``lse`` too (it is a differentiable output). The tiles run
 on threads with one intra-op thread each, the key gradients added in one fixed order
-(:mod:`.torch_workers`), and the few-queries path runs with one intra-op thread: identical
-calls give bitwise-identical outputs and gradients whatever the thread count. Both
+(:mod:`.torch_workers`), and so do the few-queries path's groups of heads: identical calls give
+bitwise-identical outputs and gradients whatever the thread count. Both
 directions of both ops are ``torch.library`` custom ops (below).
 """
 from __future__ import annotations
@@ -142,9 +142,8 @@ def run_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
         shape = _shape(qs, ks, vs)
         dense = few and shape.seqlen <= FEW_QUERIES
         plan = make_plan(kind, a, b, span, layout, causal, q.device, tiles=not dense)
-        if dense:   # one intra-op thread, as the chunks: the same result whatever torch's thread count
-            with intra_op_threads(1):
-                out, lse = few_queries_forward(qs, ks, vs, plan.bounds, shape, scale, plan.slopes)
+        if dense:
+            out, lse = few_queries_forward(qs, ks, vs, plan.bounds, shape, scale, plan.slopes)
         else:
             out, lse = forward(qs, ks, vs, plan.groups, plan.bounds, shape, scale, need_lse, plan.slopes)
         outs.append(out), lses.append(lse), order.append(rows)

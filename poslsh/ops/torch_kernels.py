@@ -24,7 +24,7 @@ from .torch_tiles import ChunkMaker, TileGroup
 from .torch_workers import run_items
 
 __all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", "few_queries_forward",
-           "BACKWARD_CHUNK_ELEMENTS"]
+           "BACKWARD_CHUNK_ELEMENTS", "FEW_QUERIES_ELEMENTS"]
 
 # Scores per chunk of the backward on CPU (at most; the forward's CHUNK_ELEMENTS when smaller). A
 # chunk's key gradients may wait for their turn (torch_workers), so they are kept small: about
@@ -32,6 +32,9 @@ __all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", 
 # for intra-op threads) at n = 16384, positional LSH s = 10 (4 heads) and the window op on packed
 # documents (9 heads), forward + backward on a loaded 2-core machine: 5-13% faster, 1 and 2 threads.
 BACKWARD_CHUNK_ELEMENTS = 1 << 20
+# Scores per group of heads of the few-queries forward: a decoding step this small runs as one
+# group (threads would cost more than they give), a larger one on threads.
+FEW_QUERIES_ELEMENTS = 1 << 15
 
 
 def gather_rows(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
@@ -178,8 +181,11 @@ def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shap
     """The forward for a few query rows (decoding steps, ``n <= FEW_QUERIES``): every head's rows
     against the union of their blocks, counts by comparing with the rows' block bounds.
     ``O(H n R (d + s))`` for key ranges of ``R`` keys, no tile plan. Same ``out [B, Hq, n, dv]``
-    and ``lse [B, Hq, n]`` as :func:`forward` (and the same bias, ``slopes`` included)."""
-    Hq, n = shape.q_heads, shape.seqlen
+    and ``lse [B, Hq, n]`` as :func:`forward` (and the same bias, ``slopes`` included). On CPU the
+    heads run in groups of a size fixed by the call (about :data:`FEW_QUERIES_ELEMENTS` scores
+    each; a small step is one group) on threads with one intra-op thread: the same result whatever
+    the threads."""
+    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     start, end = bounds.start, bounds.end                                     # [H, n, s] key rows
     dev = start.device
@@ -189,18 +195,28 @@ def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shap
     if bounds.causal:
         hi = torch.clamp(hi, max=int(rows[-1]) + 1)
     R = max(1, int((hi - lo).max()))
-    cols = lo[:, None] + torch.arange(R, device=dev)                          # [H, R]
-    inside = (start[..., None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[..., None])
-    count = inside.sum(2)                                                     # [H, n, R]
-    keep = (count > 0) & (cols < hi[:, None])[:, None, :]
-    if bounds.causal:
-        keep &= cols[:, None, :] <= rows[None, :, None]
-    bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
-    if slopes is not None:   # the window op: ALiBi inside the window
-        dist = (rows[None, :, None] - cols[:, None, :]).abs().to(ct)
-        bias = bias - slopes.to(device=dev, dtype=ct)[:, None, None] * dist
-    kv = (torch.arange(Hq, device=dev) // shape.group)[:, None]               # [H, 1] kv head of each head
-    idx = cols.clamp(max=shape.kv_len - 1)
-    K, V = k.to(ct)[:, kv, idx], v.to(ct)[:, kv, idx]                         # [B, H, R, d]
-    scores = torch.matmul(q.to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(torch.softmax(scores, -1), V).to(q.dtype), torch.logsumexp(scores, -1)
+    slopes = None if slopes is None else slopes.to(device=dev, dtype=ct)
+    out = torch.empty(B, Hq, n, shape.v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, n, dtype=ct, device=q.device)
+
+    def run(h: slice):                                                        # heads h, H of them
+        cols = lo[h, None] + torch.arange(R, device=dev)                      # [H, R]
+        inside = (start[h, :, :, None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[h, :, :, None])
+        count = inside.sum(2)                                                 # [H, n, R]
+        keep = (count > 0) & (cols < hi[h, None])[:, None, :]
+        if bounds.causal:
+            keep &= cols[:, None, :] <= rows[None, :, None]
+        bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
+        if slopes is not None:   # the window op: ALiBi inside the window
+            dist = (rows[None, :, None] - cols[:, None, :]).abs().to(ct)
+            bias = bias - slopes[h, None, None] * dist
+        kv = (torch.arange(h.start, h.stop, device=dev) // shape.group)[:, None]   # [H, 1] kv head of each head
+        idx = cols.clamp(max=shape.kv_len - 1)
+        K, V = k[:, kv, idx].to(ct), v[:, kv, idx].to(ct)                     # [B, H, R, d]
+        scores = torch.matmul(q[:, h].to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
+        out[:, h] = torch.matmul(torch.softmax(scores, -1), V)
+        lse[:, h] = torch.logsumexp(scores, -1)
+
+    per = max(1, FEW_QUERIES_ELEMENTS // (B * n * R)) if q.device.type == "cpu" else Hq   # heads per group
+    run_items([slice(h, min(h + per, Hq)) for h in range(0, Hq, per)], run, cost=lambda h: h.stop - h.start)
+    return out, lse
