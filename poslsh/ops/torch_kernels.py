@@ -100,7 +100,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
 
 
 def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks, shape: AttnShape,
-                   scale: float, probabilities: Callable, dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   scale: float, probabilities: Callable,
+                   dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2's backward over ``chunks`` (a maker: ``specs``, ``cost(spec)`` and
     ``make(spec)`` giving a chunk with ``rows, out_rows, kv_rows, units, tile, width``, as
     :class:`~.torch_tiles.ChunkMaker`), shared by the 1-D and 2-D torch ops; ``probabilities(Qg,

@@ -1,6 +1,6 @@
 """Reproducible: identical calls of the torch backend give bitwise-identical outputs, lse and
-gradients, and so do calls under 1, 2 and 3 threads (more threads than this machine's cores, so
-the chunks interleave). Every op: positional LSH (GQA, causal and not, packed documents), the
+gradients, and so do calls under 1, 2 and 3 threads (3: more threads than a small machine has
+cores, so the chunks interleave). Every op: positional LSH (GQA, causal and not, packed documents), the
 window op (finite and exact windows, packed documents, queries and keys at given positions) and
 the 2-D op; small chunks, so that each call has many of them. Plus the mechanism itself
 (:func:`poslsh.ops.torch_workers.run_items`): the gradient adds happen in one order whatever
@@ -26,8 +26,8 @@ CU = torch.tensor([0, 1, 300, 301, 777, N])                   # packed documents
 
 @pytest.fixture
 def many_chunks(monkeypatch):
-    """Small chunks (tens per call), the machine's load out of play; the largest item count of a
-    call is recorded."""
+    """Small chunks (tens per call), the machine's load out of play; the item count of every call
+    is recorded."""
     monkeypatch.setattr(torch_tiles, "CHUNK_ELEMENTS", 1 << 12)
     monkeypatch.setattr(torch_band, "CHUNK_ELEMENTS", 1 << 10)
     monkeypatch.setattr(torch_grid, "CHUNK_ELEMENTS", 1 << 12)
