@@ -1,6 +1,6 @@
 """The window op's band kernels on the torch backend: exact ALiBi cut at per-head windows
 ``|i - j| <= w_h`` for self-attention or queries and keys at given positions (no packed
-documents: those take the general tiles of :mod:`.torch_kernels`).
+documents: those take the general tiles of :mod:`.kernels`).
 
 Per head the queries are cut into tiles of ``T`` rows and the keys into blocks of ``T`` rows
 aligned with them (query row ``i`` is key row ``i + delta``). Tile ``u`` sees the
@@ -18,9 +18,12 @@ range of ``R = (c + 1) T`` (``(2c + 1) T``) key rows. So
 A chunk is ``baddbmm`` (scores plus template), ``softmax``, ``bmm`` with the values straight into the
 output rows, and the lse ``log sum_j e^{s_ij} = max_j s_ij - log max_j p_ij``. Backward: the same
 tiles recomputed (``softmax`` again, so the probabilities sum to 1 exactly, which flash-attention
-2's ``ds = P (dP - delta)`` needs at large logits; see :func:`~.torch_kernels.tiled_backward`),
+2's ``ds = P (dP - delta)`` needs at large logits; see :func:`~.kernels.tiled_backward`),
 ``dq`` written per tile, ``dk`` and ``dv`` added block by block into the key rows. Chunks run on
-threads (:mod:`.torch_workers`). Cost per head ``O(n_q R d)``; memory ``O(n d)`` plus the chunks.
+threads (:mod:`.workers`): a chunk returns its key gradients and they are added one chunk at
+a time in one fixed order (the chunks of a head and of the heads sharing a key head reach the same
+key blocks), so the gradients are bitwise the same whatever the threads. Cost per head
+``O(n_q R d)``; memory ``O(n d)`` plus the chunks.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..._validation import AttnShape, compute_dtype
-from .workers import KeyLocks, run_items
+from .workers import run_items
 
 __all__ = ["Band", "bands", "forward", "backward", "CHUNK_ELEMENTS"]
 
@@ -191,7 +194,6 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, dlse: Optional[Tenso
     dk = torch.zeros(B, Hkv, nk, d, dtype=ct, device=q.device)
     dvv = torch.zeros(B, Hkv, nk, dv, dtype=ct, device=q.device)
     items, rows = _plan(q, slopes, window, shape, causal, delta, ct, backward=True)
-    locks = KeyLocks()
     dlse_ct = None if dlse is None else dlse.to(ct)
 
     def run(it: _Item):
@@ -205,22 +207,25 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, dlse: Optional[Tenso
         if dlse_ct is not None:
             shift = shift.sub_(dlse_ct[it.b, it.h, r0:r1].view(u, it.rows, 1))
         ds = dp.sub_(shift).mul_(p)
-        torch.bmm(ds, K, out=dq[it.b, it.h, r0:r1].view(u, it.rows, d)).mul_(scale)
-        dk_t, dv_t = torch.bmm(ds.transpose(1, 2), Q), torch.bmm(p.transpose(1, 2), dO)
+        torch.bmm(ds, K, out=dq[it.b, it.h, r0:r1].view(u, it.rows, d)).mul_(scale)   # rows of this item only
+        return torch.bmm(ds.transpose(1, 2), Q), torch.bmm(p.transpose(1, 2), dO)
+
+    def commit(it: _Item, part):             # one item at a time, in one order: see run_items
+        dk_t, dv_t = part
+        T, u, R = it.band.tile, it.tiles, it.width
         gk, gv = dk[it.b, it.h // g], dvv[it.b, it.h // g]
-        with locks((it.b, it.h // g)):
-            if u == 1:
-                gk[it.k0:it.k0 + R].add_(dk_t[0], alpha=scale)
-                gv[it.k0:it.k0 + R].add_(dv_t[0])
-                return
-            blocks = u + R // T - 1            # the key blocks these tiles reach, from row k0
-            kb, vb = gk[it.k0:it.k0 + blocks * T].view(blocks, T, d), gv[it.k0:it.k0 + blocks * T].view(blocks, T, dv)
-            dk_t, dv_t = dk_t.view(u, R // T, T, d), dv_t.view(u, R // T, T, dv)
-            for j in range(R // T):            # tile t's key block j is block t + j of the range
-                kb[j:j + u].add_(dk_t[:, j], alpha=scale)
-                vb[j:j + u].add_(dv_t[:, j])
+        if u == 1:
+            gk[it.k0:it.k0 + R].add_(dk_t[0], alpha=scale)
+            gv[it.k0:it.k0 + R].add_(dv_t[0])
+            return
+        blocks = u + R // T - 1                # the key blocks these tiles reach, from row k0
+        kb, vb = gk[it.k0:it.k0 + blocks * T].view(blocks, T, d), gv[it.k0:it.k0 + blocks * T].view(blocks, T, dv)
+        dk_t, dv_t = dk_t.view(u, R // T, T, d), dv_t.view(u, R // T, T, dv)
+        for j in range(R // T):                # tile t's key block j is block t + j of the range
+            kb[j:j + u].add_(dk_t[:, j], alpha=scale)
+            vb[j:j + u].add_(dv_t[:, j])
 
     for it in items:
         rows(q, it.b, it.h), rows(dout, it.b, it.h), rows(k, it.b, it.h // g), rows(v, it.b, it.h // g)
-    run_items(items, run, cost=_Item.cost)
+    run_items(items, run, cost=_Item.cost, commit=commit)
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype)

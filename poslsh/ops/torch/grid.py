@@ -18,14 +18,17 @@ of products, not a product of per-axis counts): one batched matmul over the samp
 Tiles are grouped by padded bounding-box size; each group is one batched matmul over all heads
 and tiles. Raster-causal attention masks keys after the query in raster order.
 
-Backward is flash-attention 2's, recomputed tile by tile from the saved log-sum-exp. Memory is
-``O(n (d + s))`` plus one bounded chunk: no ``n x n`` tensor. Both directions are
+Backward is flash-attention 2's, recomputed tile by tile from the saved log-sum-exp. Chunks run on
+threads, the key gradients added in one fixed order (:mod:`.workers`): bitwise the same
+results whatever the thread count. Memory is ``O(n (d + s))`` plus a few bounded chunks: no
+``n x n`` tensor. Both directions are
 ``torch.library`` custom ops. The log-sum-exp is computed but not offered (``return_lse``): its
 gradient would need the backward op to pass ``dlse`` on to :func:`~poslsh.ops.torch.kernels.tiled_backward`.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Tuple
+import threading
+from typing import List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
@@ -34,6 +37,7 @@ from ..._validation import AttnShape, compute_dtype
 from ...partitions import block_bounds
 from ..registry import register_backend
 from .kernels import flat_rows, gather_rows, tiled_backward
+from .workers import run_items
 
 __all__ = ["GridBounds", "grid_bounds", "plan_tiles_2d", "attention_2d", "forward", "backward"]
 
@@ -135,50 +139,67 @@ class Chunk(NamedTuple):
     width: int
 
 
-def iter_chunks(groups: List[TileGroup2D], b: GridBounds, shape: AttnShape, ct, batch: int) -> Iterator[Chunk]:
-    Gr, Gc = b.grid
-    n, Hq, group = shape.seqlen, shape.q_heads, shape.group
-    H, s = b.rlo.shape[:2]
-    dev = b.rlo.device
-    # [H*G, s] views: one index_select fetches a line's bin in every sample.
-    rlo, rhi = (x.transpose(1, 2).reshape(H * Gr, s) for x in (b.rlo, b.rhi))
-    clo, chi = (x.transpose(1, 2).reshape(H * Gc, s) for x in (b.clo, b.chi))
-    for g in groups:
+class GridChunks:
+    """The plan's chunks, built one at a time from any thread (as
+    :class:`~poslsh.ops.tiles.ChunkMaker`): ``specs`` lists them (a group, its first tile and
+    its tiles), ``cost(spec)`` is its score count, ``make(spec)`` builds its :class:`Chunk`."""
+
+    def __init__(self, groups: List[TileGroup2D], b: GridBounds, shape: AttnShape, ct, batch: int):
+        Gr, Gc = b.grid
+        H, s = b.rlo.shape[:2]
+        self.b, self.shape, self.ct = b, shape, ct
+        # [H*G, s] views: one index_select fetches a line's bin in every sample.
+        self.rlo, self.rhi = (x.transpose(1, 2).reshape(H * Gr, s) for x in (b.rlo, b.rhi))
+        self.clo, self.chi = (x.transpose(1, 2).reshape(H * Gc, s) for x in (b.clo, b.chi))
+        per = [max(1, CHUNK_ELEMENTS // (batch * g.tr * g.tc * g.pr * g.pc)) for g in groups]
+        self.specs = [(g, lo, min(p, g.head.numel() - lo)) for g, p in zip(groups, per)
+                      for lo in range(0, g.head.numel(), p)]
+
+    @staticmethod
+    def cost(spec) -> int:
+        g, _, units = spec
+        return units * g.tr * g.tc * g.pr * g.pc
+
+    def make(self, spec) -> Chunk:
+        g, lo, U = spec
+        b, shape, ct = self.b, self.shape, self.ct
+        Gr, Gc = b.grid
+        n, Hq, group = shape.seqlen, shape.q_heads, shape.group
+        s = b.rlo.shape[1]
+        dev = b.rlo.device
         T, R = g.tr * g.tc, g.pr * g.pc
-        per_chunk = max(1, CHUNK_ELEMENTS // (batch * T * R))
         ar = [torch.arange(x, device=dev) for x in (g.tr, g.tc, g.pr, g.pc)]
-        for lo in range(0, g.head.numel(), per_chunk):
-            sl = slice(lo, lo + per_chunk)
-            head, U = g.head[sl], g.head[sl].numel()
-            qr, qc = g.r0[sl, None] + ar[0], g.c0[sl, None] + ar[1]                 # [U, tr], [U, tc]
-            inside = ((qr < Gr)[:, :, None] & (qc < Gc)[:, None, :]).reshape(U, T)
-            qr, qc = qr.clamp(max=Gr - 1), qc.clamp(max=Gc - 1)
-            qtok = (qr[:, :, None] * Gc + qc[:, None, :]).reshape(U, T)
-            rows = head[:, None] * n + qtok
-            out_rows = torch.where(inside, rows, torch.full_like(rows, Hq * n)).reshape(-1)
-            kr, kc = g.kr0[sl, None] + ar[2], g.kc0[sl, None] + ar[3]               # [U, pr], [U, pc]
-            # Keys in column-major order within the box (b, a): the count below then comes out of
-            # one broadcast matmul already as [U, (i, j), (b, a)], with no permuted copy.
-            ktok = (kr[:, None, :] * Gc + kc[:, :, None]).reshape(U, R)
-            kv_rows = ((head // group)[:, None] * n + ktok).reshape(-1)
-            # Per-axis indicators per sample; count = sum over samples of their products.
-            row_idx = (head[:, None] * Gr + qr).reshape(-1)
-            lr = rlo.index_select(0, row_idx).view(U, g.tr, s, 1)
-            hr = rhi.index_select(0, row_idx).view(U, g.tr, s, 1)
-            krv = kr[:, None, None, :]
-            in_row = ((krv >= lr) & (krv < hr)).to(ct)                              # [U, tr, s, pr]
-            col_idx = (head[:, None] * Gc + qc).reshape(-1)
-            lc = clo.index_select(0, col_idx).view(U, g.tc, 1, s)
-            hc = chi.index_select(0, col_idx).view(U, g.tc, 1, s)
-            kcv = kc[:, None, :, None]
-            in_col = ((kcv >= lc) & (kcv < hc)).to(ct).reshape(U, 1, g.tc * g.pc, s)  # [U, 1, (j, b), s]
-            # [U, 1, (j, b), s] @ [U, tr, s, a] as one bmm (explicit expand: about 3x faster than
-            # a broadcasting matmul here) -> [U, (i, j), (b, a)]; exact small integers.
-            count = torch.bmm(in_col.expand(U, g.tr, g.tc * g.pc, s).reshape(U * g.tr, g.tc * g.pc, s),
-                              in_row.reshape(U * g.tr, s, g.pr)).view(U, T, R)
-            if b.causal:
-                count.masked_fill_(ktok[:, None, :] > qtok[:, :, None], 0)
-            yield Chunk(rows.reshape(-1), out_rows, kv_rows, count, U, T, R)
+        sl = slice(lo, lo + U)
+        head = g.head[sl]
+        qr, qc = g.r0[sl, None] + ar[0], g.c0[sl, None] + ar[1]                 # [U, tr], [U, tc]
+        inside = ((qr < Gr)[:, :, None] & (qc < Gc)[:, None, :]).reshape(U, T)
+        qr, qc = qr.clamp(max=Gr - 1), qc.clamp(max=Gc - 1)
+        qtok = (qr[:, :, None] * Gc + qc[:, None, :]).reshape(U, T)
+        rows = head[:, None] * n + qtok
+        out_rows = torch.where(inside, rows, torch.full_like(rows, Hq * n)).reshape(-1)
+        kr, kc = g.kr0[sl, None] + ar[2], g.kc0[sl, None] + ar[3]               # [U, pr], [U, pc]
+        # Keys in column-major order within the box (b, a): the count below then comes out of
+        # one broadcast matmul already as [U, (i, j), (b, a)], with no permuted copy.
+        ktok = (kr[:, None, :] * Gc + kc[:, :, None]).reshape(U, R)
+        kv_rows = ((head // group)[:, None] * n + ktok).reshape(-1)
+        # Per-axis indicators per sample; count = sum over samples of their products.
+        row_idx = (head[:, None] * Gr + qr).reshape(-1)
+        lr = self.rlo.index_select(0, row_idx).view(U, g.tr, s, 1)
+        hr = self.rhi.index_select(0, row_idx).view(U, g.tr, s, 1)
+        krv = kr[:, None, None, :]
+        in_row = ((krv >= lr) & (krv < hr)).to(ct)                              # [U, tr, s, pr]
+        col_idx = (head[:, None] * Gc + qc).reshape(-1)
+        lc = self.clo.index_select(0, col_idx).view(U, g.tc, 1, s)
+        hc = self.chi.index_select(0, col_idx).view(U, g.tc, 1, s)
+        kcv = kc[:, None, :, None]
+        in_col = ((kcv >= lc) & (kcv < hc)).to(ct).reshape(U, 1, g.tc * g.pc, s)  # [U, 1, (j, b), s]
+        # [U, 1, (j, b), s] @ [U, tr, s, a] as one bmm (explicit expand: about 3x faster than
+        # a broadcasting matmul here) -> [U, (i, j), (b, a)]; exact small integers.
+        count = torch.bmm(in_col.expand(U, g.tr, g.tc * g.pc, s).reshape(U * g.tr, g.tc * g.pc, s),
+                          in_row.reshape(U * g.tr, s, g.pr)).view(U, T, R)
+        if b.causal:
+            count.masked_fill_(ktok[:, None, :] > qtok[:, :, None], 0)
+        return Chunk(rows.reshape(-1), out_rows, kv_rows, count, U, T, R)
 
 
 def _scores(Qg: Tensor, Kg: Tensor, scale: float) -> Tensor:
@@ -220,13 +241,25 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup2D], b: GridB
     qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
     out = torch.empty(B, Hq * n + 1, shape.v_dim, dtype=ct, device=q.device)    # + sink row
     lse = torch.empty(B, Hq * n + 1, dtype=ct, device=q.device)
-    for c in iter_chunks(groups, b, shape, ct, B):
+    chunks = GridChunks(groups, b, shape, ct, B)
+    writes = threading.Lock()                # several chunks write the sink row
+
+    def run(spec):
+        c = chunks.make(spec)
         Qg = gather_rows(qf, c.rows, c.units, c.tile)
         Kg, Vg = gather_rows(kf, c.kv_rows, c.units, c.width), gather_rows(vf, c.kv_rows, c.units, c.width)
         # Each query shares a box with itself in every sample: every row has a weight > 0.
         w, m, denom = _weights(Qg, Kg, c.count, scale)
-        lse.index_copy_(1, c.out_rows, (m + denom.log()).reshape(B, -1))
-        out.index_copy_(1, c.out_rows, (torch.matmul(w, Vg) / denom).reshape(B, -1, shape.v_dim))
+        o = (torch.matmul(w, Vg) / denom).reshape(B, -1, shape.v_dim)
+        with writes:                         # every other row is written once, by its own chunk
+            lse.index_copy_(1, c.out_rows, (m + denom.log()).reshape(B, -1))
+            out.index_copy_(1, c.out_rows, o)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):   # traced: double backward
+        for spec in chunks.specs:
+            run(spec)
+    else:
+        run_items(chunks.specs, run, cost=chunks.cost)
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
@@ -239,7 +272,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups:
         # only touches keys with count 0 (no inf * 0).
         return _scores(Qg, Kg, scale).sub_(lse_g).clamp_max_(0).exp_().mul_(c.count)
 
-    chunks = iter_chunks(groups, b, shape, compute_dtype(q.dtype), shape.batch)
+    chunks = GridChunks(groups, b, shape, compute_dtype(q.dtype), shape.batch)
     return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities)
 
 

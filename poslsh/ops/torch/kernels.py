@@ -1,14 +1,17 @@
 """The torch backend's kernels: the tiled forward, flash-attention 2's backward over any chunks
-(shared with the 2-D op, :mod:`.torch_grid`) and the few-queries forward (decoding steps).
+(shared with the 2-D op, :mod:`.grid`) and the few-queries forward (decoding steps).
 
 Every chunk is a batched matmul ``[B, U, T, d] x [B, U, d, R]`` plus the chunk's bias (see
-:class:`~.torch_tiles.ChunkMaker`); a query row's whole key range lies in its one tile, so the
-softmax of a row is complete inside one chunk and every output row is written once.
+:class:`~.tiles.ChunkMaker`); a query row's whole key range lies in its one tile, so the
+softmax of a row is complete inside one chunk and every output row is written once. The chunks
+run on threads (:mod:`.workers`); several reach the same key rows, so each returns its part
+of ``dk``, ``dv`` and the parts are added one chunk at a time in one fixed order: outputs and
+gradients are bitwise the same for identical calls, whatever the thread count.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +19,22 @@ from torch import Tensor
 
 from ..._validation import AttnShape, compute_dtype
 from .plan import RowBounds
+from . import tiles as torch_tiles
 from .tiles import ChunkMaker, TileGroup
 from .workers import run_items
 
-__all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", "few_queries_forward"]
+__all__ = ["gather_rows", "flat_rows", "forward", "tiled_backward", "backward", "few_queries_forward",
+           "BACKWARD_CHUNK_ELEMENTS", "FEW_QUERIES_ELEMENTS"]
+
+# Scores per chunk of the backward on CPU (at most; the forward's CHUNK_ELEMENTS when smaller). A
+# chunk's key gradients may wait for their turn (torch_workers), so they are kept small: about
+# 2^20 / T x (d + dv) floats (16 MiB at T = 32, d = dv = 64). Against the forward's 2^22 (chosen
+# for intra-op threads) at n = 16384, positional LSH s = 10 (4 heads) and the window op on packed
+# documents (9 heads), forward + backward on a loaded 2-core machine: 5-13% faster, 1 and 2 threads.
+BACKWARD_CHUNK_ELEMENTS = 1 << 20
+# Scores per group of heads of the few-queries forward: a decoding step this small runs as one
+# group (threads would cost more than they give), a larger one on threads.
+FEW_QUERIES_ELEMENTS = 1 << 15
 
 
 def gather_rows(x: Tensor, idx: Tensor, units: int, size: int) -> Tensor:
@@ -49,8 +64,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
             scale: float, need_lse: bool = True, slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``out [B, Hq, n, dv]`` (in ``q.dtype``) and ``lse [B, Hq, n]`` (float32/64, the log-sum-exp
     of the biased scores; left uninitialised when ``need_lse`` is False). ``slopes``: see
-    :class:`~.torch_tiles.ChunkMaker`. Traceable by autograd when the inputs require grad (double
-    backward); otherwise the chunks run on threads (:func:`~.torch_workers.run_items`)."""
+    :class:`~.tiles.ChunkMaker`. Traceable by autograd when the inputs require grad (double
+    backward); otherwise the chunks run on threads (:func:`~.workers.run_items`)."""
     B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     qf, kf, vf = flat_rows(q, ct), flat_rows(k, ct), flat_rows(v, ct)
@@ -84,15 +99,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, groups: List[TileGroup], bounds: Ro
     return out[:, :-1].view(B, Hq, n, shape.v_dim).to(q.dtype), lse[:, :-1].view(B, Hq, n)
 
 
-def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks: Iterable,
-                   shape: AttnShape, scale: float, probabilities: Callable,
+def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, chunks, shape: AttnShape,
+                   scale: float, probabilities: Callable,
                    dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention-2's backward over ``chunks`` (anything with ``rows, out_rows, kv_rows,
-    units, tile, width``, or a :class:`~.torch_tiles.ChunkMaker`, whose chunks run on threads),
-    shared by the 1-D and 2-D torch ops; ``probabilities(Qg, Kg, chunk,
-    lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved ``lse [B, Hq, n]``.
-    ``dlse [B, Hq, n]`` (optional): the gradient reaching the log-sum-exp, which adds
-    ``P_ij dlse_i`` to ``ds_ij`` (``d lse_i / d s_ij = P_ij``).
+    """FlashAttention-2's backward over ``chunks`` (a maker: ``specs``, ``cost(spec)`` and
+    ``make(spec)`` giving a chunk with ``rows, out_rows, kv_rows, units, tile, width``, as
+    :class:`~.tiles.ChunkMaker`), shared by the 1-D and 2-D torch ops; ``probabilities(Qg,
+    Kg, chunk, lse_g) -> p [B, U, T, R]`` recomputes a chunk's weights from the saved
+    ``lse [B, Hq, n]``. ``dlse [B, Hq, n]`` (optional): the gradient reaching the log-sum-exp,
+    which adds ``P_ij dlse_i`` to ``ds_ij`` (``d lse_i / d s_ij = P_ij``).
+
+    The chunks run on threads (:func:`~.workers.run_items`); each returns its parts of
+    ``dq, dk, dv`` and they are added in the one order of :func:`~.workers.run_items`'s
+    ``commit`` (several chunks reach the same key rows): bitwise the same gradients whatever the
+    threads.
 
     A row's whole key range lies in one tile, so each recomputed row is renormalised to sum to
     1: with logits ~1e4 the float32 ``lse`` is off by ~1e-3 absolute, ``exp(s - lse)`` then
@@ -114,9 +134,9 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
     dk = torch.zeros(B, Hkv * nk, shape.head_dim, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv * nk, shape.v_dim, dtype=ct, device=q.device)
     tiny = torch.finfo(ct).tiny
-    adds = threading.Lock()                  # chunks add into shared key rows (and the sink row)
 
-    def run(c):
+    def run(spec):
+        c = chunks.make(spec)
         U, T, R = c.units, c.tile, c.width
         Qg = gather_rows(qf, c.rows, U, T)
         Kg = gather_rows(kf, c.kv_rows, U, R)
@@ -132,16 +152,15 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, c
         ds = dp.sub_(shift).mul_(p)
         gq = torch.matmul(ds, Kg).mul_(scale).reshape(B, U * T, -1)
         gk = torch.matmul(ds.transpose(-1, -2), Qg).mul_(scale).reshape(B, U * R, -1)
-        with adds:
-            dv.index_add_(1, c.kv_rows, gv)
-            dq.index_add_(1, c.out_rows, gq)
-            dk.index_add_(1, c.kv_rows, gk)
+        return c.out_rows, c.kv_rows, gq, gk, gv
 
-    if hasattr(chunks, "specs"):             # a maker: its chunks are built and run on threads
-        run_items(chunks.specs, lambda spec: run(chunks.make(spec)), cost=chunks.cost)
-    else:
-        for c in chunks:
-            run(c)
+    def commit(spec, part):                  # one chunk at a time, in one order: see run_items
+        out_rows, kv_rows, gq, gk, gv = part
+        dv.index_add_(1, kv_rows, gv)
+        dq.index_add_(1, out_rows, gq)
+        dk.index_add_(1, kv_rows, gk)
+
+    run_items(chunks.specs, run, cost=chunks.cost, commit=commit)
     return dq[:, :-1].reshape(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
@@ -153,7 +172,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, groups:
     def probabilities(Qg, Kg, c, lse_g):
         return torch.exp_(_biased_scores(Qg, Kg, c.bias, scale).sub_(lse_g))
 
-    chunks = ChunkMaker(groups, bounds, shape, compute_dtype(q.dtype), slopes)
+    elements = min(torch_tiles.CHUNK_ELEMENTS, BACKWARD_CHUNK_ELEMENTS) if q.device.type == "cpu" else None
+    chunks = ChunkMaker(groups, bounds, shape, compute_dtype(q.dtype), slopes, elements)
     return tiled_backward(dout, q, k, v, lse, chunks, shape, scale, probabilities, dlse)
 
 
@@ -162,8 +182,11 @@ def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shap
     """The forward for a few query rows (decoding steps, ``n <= FEW_QUERIES``): every head's rows
     against the union of their blocks, counts by comparing with the rows' block bounds.
     ``O(H n R (d + s))`` for key ranges of ``R`` keys, no tile plan. Same ``out [B, Hq, n, dv]``
-    and ``lse [B, Hq, n]`` as :func:`forward` (and the same bias, ``slopes`` included)."""
-    Hq, n = shape.q_heads, shape.seqlen
+    and ``lse [B, Hq, n]`` as :func:`forward` (and the same bias, ``slopes`` included). On CPU the
+    heads run in groups of a size fixed by the call (about :data:`FEW_QUERIES_ELEMENTS` scores
+    each; a small step is one group) on threads with one intra-op thread: the same result whatever
+    the threads."""
+    B, Hq, n = shape.batch, shape.q_heads, shape.seqlen
     ct = compute_dtype(q.dtype)
     start, end = bounds.start, bounds.end                                     # [H, n, s] key rows
     dev = start.device
@@ -173,18 +196,28 @@ def few_queries_forward(q: Tensor, k: Tensor, v: Tensor, bounds: RowBounds, shap
     if bounds.causal:
         hi = torch.clamp(hi, max=int(rows[-1]) + 1)
     R = max(1, int((hi - lo).max()))
-    cols = lo[:, None] + torch.arange(R, device=dev)                          # [H, R]
-    inside = (start[..., None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[..., None])
-    count = inside.sum(2)                                                     # [H, n, R]
-    keep = (count > 0) & (cols < hi[:, None])[:, None, :]
-    if bounds.causal:
-        keep &= cols[:, None, :] <= rows[None, :, None]
-    bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
-    if slopes is not None:   # the window op: ALiBi inside the window
-        dist = (rows[None, :, None] - cols[:, None, :]).abs().to(ct)
-        bias = bias - slopes.to(device=dev, dtype=ct)[:, None, None] * dist
-    kv = (torch.arange(Hq, device=dev) // shape.group)[:, None]               # [H, 1] kv head of each head
-    idx = cols.clamp(max=shape.kv_len - 1)
-    K, V = k.to(ct)[:, kv, idx], v.to(ct)[:, kv, idx]                         # [B, H, R, d]
-    scores = torch.matmul(q.to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(torch.softmax(scores, -1), V).to(q.dtype), torch.logsumexp(scores, -1)
+    slopes = None if slopes is None else slopes.to(device=dev, dtype=ct)
+    out = torch.empty(B, Hq, n, shape.v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, n, dtype=ct, device=q.device)
+
+    def run(h: slice):                                                        # heads h, H of them
+        cols = lo[h, None] + torch.arange(R, device=dev)                      # [H, R]
+        inside = (start[h, :, :, None] <= cols[:, None, None, :]) & (cols[:, None, None, :] < end[h, :, :, None])
+        count = inside.sum(2)                                                 # [H, n, R]
+        keep = (count > 0) & (cols < hi[h, None])[:, None, :]
+        if bounds.causal:
+            keep &= cols[:, None, :] <= rows[None, :, None]
+        bias = torch.where(keep, count.to(ct).log(), torch.full((), float("-inf"), dtype=ct, device=dev))
+        if slopes is not None:   # the window op: ALiBi inside the window
+            dist = (rows[None, :, None] - cols[:, None, :]).abs().to(ct)
+            bias = bias - slopes[h, None, None] * dist
+        kv = (torch.arange(h.start, h.stop, device=dev) // shape.group)[:, None]   # [H, 1] kv head of each head
+        idx = cols.clamp(max=shape.kv_len - 1)
+        K, V = k[:, kv, idx].to(ct), v[:, kv, idx].to(ct)                     # [B, H, R, d]
+        scores = torch.matmul(q[:, h].to(ct), K.transpose(-1, -2)).mul_(scale).add_(bias)
+        out[:, h] = torch.matmul(torch.softmax(scores, -1), V)
+        lse[:, h] = torch.logsumexp(scores, -1)
+
+    per = max(1, FEW_QUERIES_ELEMENTS // (B * n * R)) if q.device.type == "cpu" else Hq   # heads per group
+    run_items([slice(h, min(h + per, Hq)) for h in range(0, Hq, per)], run, cost=lambda h: h.stop - h.start)
+    return out, lse

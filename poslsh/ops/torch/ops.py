@@ -28,7 +28,10 @@ the keys must cover every key the queries can see, the op checks it. Packed docu
 row bounds (positions restart per document) and tiles that restart at every document.
 
 Backward is flash-attention 2's with the weighted probabilities, recomputed tile by tile
-from the saved ``lse``, through the ``lse`` too (it is a differentiable output). Both
+from the saved ``lse``, through the ``lse`` too (it is a differentiable output). The tiles run
+on threads with one intra-op thread each, the key gradients added in one fixed order
+(:mod:`.workers`), and so do the few-queries path's groups of heads: identical calls give
+bitwise-identical outputs and gradients whatever the thread count. Both
 directions of both ops are ``torch.library`` custom ops (below).
 """
 from __future__ import annotations

@@ -110,8 +110,8 @@ class Chunk(NamedTuple):
     width: int
 
 
-def _units_per_chunk(g: TileGroup, batch: int) -> int:
-    return max(1, CHUNK_ELEMENTS // (batch * g.tile * g.width))
+def _units_per_chunk(g: TileGroup, batch: int, elements: int) -> int:
+    return max(1, elements // (batch * g.tile * g.width))
 
 
 def _log_counts(start_r: Tensor, end_r: Tensor, k0: Tensor, keys: Tensor, diff_buf: Tensor, count_buf: Tensor,
@@ -177,10 +177,11 @@ class ChunkMaker:
     bias: ``log count_ij`` (the samples in which query ``i`` and key ``j`` share a block; ``-inf``
     for none, and after the query when causal), plus ``-slopes[h] |i - j|`` when ``slopes`` (``[H]``,
     the window op: one sample, so the count is 0 or 1 and the bias is exact ALiBi inside the
-    window). The one definition of a chunk's bias."""
+    window). The one definition of a chunk's bias. ``elements``: scores per chunk (default
+    :data:`CHUNK_ELEMENTS`)."""
 
     def __init__(self, groups: List[TileGroup], bounds: RowBounds, shape: AttnShape, ct,
-                 slopes: Optional[Tensor] = None):
+                 slopes: Optional[Tensor] = None, elements: Optional[int] = None):
         H, n, s = bounds.start.shape
         self.shape, self.ct, self.bounds = shape, ct, bounds
         # [H*n, s] views: one index_select fetches a row's block bounds in all samples.
@@ -190,8 +191,9 @@ class ChunkMaker:
         self.neg_slopes = None if slopes is None else -slopes.to(device=dev, dtype=ct)
         # the window op: the half-width of each head's widest row, the window of its unclipped rows
         self.half = None if slopes is None else ((bounds.end - bounds.start).amax(dim=(1, 2)) - 1) // 2
-        self.specs = [(g, lo, min(_units_per_chunk(g, shape.batch), g.head.numel() - lo))
-                      for g in groups for lo in range(0, g.head.numel(), _units_per_chunk(g, shape.batch))]
+        per = [_units_per_chunk(g, shape.batch, elements or CHUNK_ELEMENTS) for g in groups]
+        self.specs = [(g, lo, min(u, g.head.numel() - lo)) for g, u in zip(groups, per)
+                      for lo in range(0, g.head.numel(), u)]
         self._cap = max((u * g.tile * (g.width + 1) for g, _, u in self.specs), default=0)
         self._buffers = threading.local()
 
