@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from torch import Tensor
 
@@ -25,6 +25,9 @@ class Family:
     from the first real token; :func:`~poslsh.integrations.hf.alibi.attend.row_positions`). ``bias_scaled``: the
     bias is scaled with the logits (``(q . k + m_h p) / sqrt(d)``). ``rounded_bias(slopes32, head_dim)``: the
     model's own rounded bias term, reproduced with ``falcon_bias="bfloat16"`` (None: the family has none).
+    ``unread_bias``: the base model's methods that build its own ALiBi tensor for the layers, which the patched
+    layers never read (BLOOM's ``O(B H n)`` per forward, at every decoding step): a patched model's return a
+    ``[1, 1, 1]`` placeholder.
     """
 
     name: str
@@ -39,6 +42,7 @@ class Family:
     positions: str = "cumsum"
     bias_scaled: bool = False
     rounded_bias: Optional[Callable] = None
+    unread_bias: Tuple[str, ...] = ()
 
 
 def arguments(self, args, kwargs) -> dict:
