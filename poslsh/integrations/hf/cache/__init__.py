@@ -14,8 +14,8 @@ from .append import AppendCache, AppendLayer
 from .heads import HeadWindowLayer
 from .layer import PoslshCacheLayer
 from .poslsh_cache import PoslshCache, attend, enable_generation_cache, generation_cache, packed_prefill_cache
-from .spec import CACHE_KWARG, CACHE_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec, check_layer
+from .spec import CACHE_KWARG, CACHE_SCHEMES, FULL_SCHEMES, NEW_CACHE, WINDOW_SCHEMES, CacheSpec, check_layer
 
-__all__ = ["PoslshCache", "PoslshCacheLayer", "HeadWindowLayer", "AppendCache", "AppendLayer", "CacheSpec", "attend", "packed_prefill_cache",
-           "generation_cache", "enable_generation_cache", "CACHE_KWARG", "CACHE_SCHEMES", "WINDOW_SCHEMES",
-           "NEW_CACHE", "check_layer"]
+__all__ = ["PoslshCache", "PoslshCacheLayer", "HeadWindowLayer", "AppendCache", "AppendLayer", "CacheSpec", "attend",
+           "packed_prefill_cache", "generation_cache", "enable_generation_cache", "CACHE_KWARG", "CACHE_SCHEMES",
+           "FULL_SCHEMES", "WINDOW_SCHEMES", "NEW_CACHE", "check_layer"]
