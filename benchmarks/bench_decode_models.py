@@ -9,13 +9,14 @@ each measured by forward hooks on the blocks during the timed steps.
 
 Contexts ``--contexts`` (1k, 4k, 16k, 32k) at batch ``--batches`` (1, 8). **The caches are filled, not
 prefilled**: a prefill of 32k tokens through exact attention takes minutes per layer here, and no method's
-decoding time depends on the values it reads. Every layer's cache gets the same random keys and values of the
-context (seeded), as its own cache type holds them: eager a ``DynamicCache`` (``update``), exact an
-``AppendCache`` (``update``: room for an eighth more), certified ``alibi_cache(model)`` (each layer's
-``fill``: the last ``w_j + 1`` keys per KV head, the running key norms and value ranges of all). The certified
-windows are those ``generate()`` chooses from a real prompt: a 1,024-token prefill of the certified model on
-its per-head cache (``tol = 1e-3``, the Cauchy-Schwarz logit range of the prompt; ``n=None``), then every step
-is checked by the cache's certificate (``Certificate(1e-3, "warn")``; its worst bound is reported).
+decoding time depends on the values it reads. A real prompt of 1,024 tokens is prefilled once: the exact
+model's keys and values of every layer, repeated along the context and the batch, fill every method's cache as
+its own type holds them: eager a ``DynamicCache`` (``update``), exact an ``AppendCache`` (``update``: room for
+an eighth more), certified ``alibi_cache(model)`` (each layer's ``fill``: the last ``w_j + 1`` keys per KV
+head, the running key norms and value ranges of all). The certified windows are those ``generate()`` chooses
+from that prompt (its prefill on the per-head cache: ``tol = 1e-3``, the prompt's Cauchy-Schwarz logit range,
+``n=None``); every step is then checked by the cache's certificate (``Certificate(1e-3, "warn")``; its worst
+bound and exceedances are reported).
 
 Time per token: inside one ``generate()`` call (the context's tokens as ``input_ids``, the filled cache,
 ``--steps`` new tokens), the median interval between consecutive decoding steps (a stopping criterion stamps
@@ -60,35 +61,42 @@ def build(layers: int, vocab: int):
             "certified": patch_alibi(copy.deepcopy(base), window="certified", tol=TOL)}
 
 
-def certified_windows(model, vocab: int):
-    """The windows ``generate()`` keeps, chosen from a real prompt's prefill: per layer ``[H]`` ints."""
+def from_prompt(models, vocab: int, prompt: int = PROMPT):
+    """What a real prompt of ``prompt`` tokens gives: the certified windows ``generate()`` keeps (per layer ``[H]``
+    ints, chosen from its prefill on the per-head cache), their logit ranges, and every layer's keys and values
+    (the exact model's prefill on an AppendCache, ``[(k [1, H, prompt, d], v)]``)."""
     import torch
 
-    from poslsh.integrations.hf import alibi_cache, alibi_stats
+    from poslsh.integrations.hf import AppendCache, alibi_cache, alibi_stats
 
-    ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    model = models["certified"]
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(1)).to(model.device)
+    full = AppendCache()
     with torch.no_grad():
         model(ids, cache=alibi_cache(model), use_cache=True)
-    return [s["window"] for s in alibi_stats(model)], [s["logit_range"] for s in alibi_stats(model)]
+        models["exact"](ids, cache=full, use_cache=True)
+    stats = alibi_stats(model)
+    return ([s["window"] for s in stats], [s["logit_range"] for s in stats],
+            [(layer.keys.clone(), layer.values.clone()) for layer in full.layers])
 
 
-def filled_caches(models, windows, B: int, L: int, with_eager: bool):
-    """Each method's cache holding the same random keys and values of ``L`` tokens per layer."""
+def filled_caches(models, windows, kv, B: int, L: int, with_eager: bool):
+    """Each method's cache holding the same keys and values of ``L`` tokens per layer: the prompt's (``kv``, from
+    :func:`from_prompt`) repeated along the context and the batch."""
     import torch
     import transformers
 
     from poslsh.integrations.hf import AppendCache, alibi_cache
     from poslsh.window import make_window
 
-    layers = len(windows)
     caches = {"exact": AppendCache(), "certified": alibi_cache(models["certified"])}
     if with_eager:
         caches["eager"] = transformers.DynamicCache()
     slopes = models["certified"].transformer.h[0].self_attention._poslsh_alibi.slopes
-    g = torch.Generator().manual_seed(L + B)
-    for i in range(layers):
-        k = torch.randn(B, HEADS, L, HEAD_DIM, generator=g)
-        v = torch.randn(B, HEADS, L, HEAD_DIM, generator=g)
+    for i, (k0, v0) in enumerate(kv):
+        reps = -(-L // k0.shape[2])
+        k = k0.repeat(B, 1, reps, 1)[:, :, :L]
+        v = v0.repeat(B, 1, reps, 1)[:, :, :L]
         caches["exact"].update(k, v, i)
         if with_eager:
             caches["eager"].update(k, v, i)
@@ -114,6 +122,8 @@ class Stamps:
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -168,14 +178,14 @@ def run(args) -> dict:
     import torch
 
     models = build(args.layers, args.vocab)
-    windows, ranges = certified_windows(models["certified"], args.vocab)
+    windows, ranges, kv = from_prompt(models, args.vocab)
     layers, rows = args.layers, []
     per_seq_bound = [sum(w + 1 for w in ws) * 2 * HEAD_DIM * 4 for ws in windows]       # bytes per layer and row
     for B in args.batches:
         for L in args.contexts:
-            kv = 2 * layers * B * HEADS * L * HEAD_DIM * 4
-            with_eager = 2 * kv / 2 ** 30 + 1.5 * kv / 2 ** 30 + 2 < mem_available_gib()
-            caches = filled_caches(models, windows, B, L, with_eager)
+            full = 2 * layers * B * HEADS * L * HEAD_DIM * 4 / 2 ** 30          # GiB of every key and value
+            with_eager = 2 * full + 1.5 * full + 2 < mem_available_gib()
+            caches = filled_caches(models, windows, kv, B, L, with_eager)
             ids = {m: torch.randint(0, args.vocab, (B, L + 1), generator=torch.Generator().manual_seed(L))
                    for m in caches}
             load0 = os.getloadavg()[0]

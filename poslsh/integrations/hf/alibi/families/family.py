@@ -2,6 +2,7 @@
 the call's arguments read by name, whatever the order a transformers release passes them in."""
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -10,7 +11,13 @@ from torch import Tensor
 
 from .... import BELOW_TRANSFORMERS, MIN_TRANSFORMERS
 
-__all__ = ["Family", "arguments"]
+__all__ = ["Family", "arguments", "signature_of"]
+
+
+@functools.lru_cache(maxsize=256)
+def signature_of(fn) -> inspect.Signature:
+    """``inspect.signature(fn)``, once per function (a decoding step binds every layer's arguments)."""
+    return inspect.signature(fn)
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ def arguments(self, args, kwargs) -> dict:
     """The call's arguments by the names of the module's own (unpatched) forward, whatever their order or
     number in this transformers release; the cache under ``"cache"`` (``layer_past`` / ``past_key_values``)."""
     try:
-        sig = inspect.signature(type(self).forward)
+        sig = signature_of(type(self).forward)
         named = dict(sig.bind(self, *args, **kwargs).arguments)
         for p in sig.parameters.values():           # the **kwargs entry, flattened
             if p.kind is p.VAR_KEYWORD:
