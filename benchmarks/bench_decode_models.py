@@ -22,8 +22,10 @@ Time per token: inside one ``generate()`` call (the context's tokens as ``input_
 ``--steps`` new tokens), the median interval between consecutive decoding steps (a stopping criterion stamps
 each step; the prefill is a single uncached token and is not timed). The methods run in interleaved rounds
 (``--rounds``), each round one ``generate()`` per method continuing its own cache; the median of the rounds'
-medians is reported with the best round. KV bytes: what each cache holds (certified: against the bound
-``sum_j (w_j + 1) (dk + dv) 4`` per layer and sequence). Eager is skipped where its cache and
+medians is reported with the best round. One intra-op thread (``--threads``): on a 2-core machine shared
+with other work, two threads wait on each other's barriers in every small op (measured: a 1k-context step
+10 ms with one thread, 70-430 ms with two under a load of 1.5). KV bytes: what each cache holds (certified:
+against the bound ``sum_j (w_j + 1) (dk + dv) 4`` per layer and sequence). Eager is skipped where its cache and
 ``DynamicCache``'s concatenation (two copies at once) would not fit in the memory available.
 
 Run: ``python benchmarks/bench_decode_models.py [--quick] [--out results/alibi-models/decode.json]``.
@@ -249,11 +251,15 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8, help="tokens per generate() call (steps - 1 intervals)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, every method alike")
     p.add_argument("--quick", action="store_true", help="1k and 4k, batch 1, 2 rounds of 4 tokens")
     p.add_argument("--out", default=str(ROOT / "results" / "alibi-models" / "decode.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.batches, args.rounds, args.steps = [1024, 4096], [1], 2, 4
+    import torch
+
+    torch.set_num_threads(args.threads)
     cpu = machine()
     uptime0 = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None
     t0 = time.time()
@@ -261,7 +267,7 @@ def main(argv=None) -> int:
     uptime1 = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None
     result.update(machine=cpu, loadavg_before=uptime0, loadavg_after=uptime1, seconds=round(time.time() - t0),
                   config=dict(layers=args.layers, vocab=args.vocab, steps=args.steps, rounds=args.rounds,
-                              tol=TOL, prompt=PROMPT, threads=__import__("torch").get_num_threads()),
+                              tol=TOL, prompt=PROMPT, threads=torch.get_num_threads()),
                   method="filled caches; median interval between decoding steps inside one generate() call")
     if not args.quick or args.out != p.get_default("out"):
         write_json(args.out, result)
