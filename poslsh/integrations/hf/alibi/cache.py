@@ -121,7 +121,7 @@ def attend_cached(cache: PoslshCache, st, layer_idx: int, query: Tensor, key: Te
     valid = None if full is None else full[:, -nq:]
     out = cache.attend_window(layer_idx, query, key, value, _window_of(layer, st, query, key), scale=st.scale,
                               valid=valid, backend=st.backend)
-    if full is None:
+    if full is None or bool(valid.all()):                          # every new token real: none without a key
         return out
     empty = full.to(torch.int64).cumsum(1)[:, -nq:] == 0          # [B, nq]: no real token at or before
     if not bool(empty.any()):
