@@ -97,11 +97,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, windows: Tensor, sh
         heads = slice(j0 * g, j1 * g)
         bias = _bias(slopes[heads], wins[heads], lo, hi, n, delta, causal, ct, dev).view(J, g * n, R)
         qs = qg[:, j0:j1].reshape(B * J, g * n, d)
-        kT = _heads(kc, j0, j1, lo, hi).transpose(-1, -2)
+        keys = _heads(kc, j0, j1, lo, hi)
+        # one row per KV head (a decoding step without GQA): the scores as a column, keys @ q, which streams the
+        # key rows (measured 25% faster than q @ keys^T at 16k keys); the bias [J, 1, R] is that column's memory
+        col = g * n == 1
+        a, b = (keys, qs.transpose(1, 2)) if col else (qs, keys.transpose(1, 2))
+        bias = bias.view(J, R, 1) if col else bias
         if B == 1:
-            s = bias.baddbmm_(qs, kT, alpha=scale)                       # accumulates into the fresh bias
+            s = bias.baddbmm_(a, b, alpha=scale)                         # accumulates into the fresh bias
         else:
-            s = torch.bmm(qs, kT).mul_(scale).view(B, J, g * n, R).add_(bias).view(B * J, g * n, R)
+            s = torch.bmm(a, b).mul_(scale).view(B, J, *bias.shape[1:]).add_(bias).view(B * J, *bias.shape[1:])
+        s = s.view(B * J, 1, R) if col else s   # the column as a row: the softmax over contiguous scores
         p = torch.softmax(s, -1)                 # every row sees its own key (the dispatcher checked the keys)
         outs.append(torch.bmm(p, _heads(vc, j0, j1, lo, hi)).view(B, J * g, n, dv))
         if need_lse:                             # m + log sum e^{s - m} = m - log max p
