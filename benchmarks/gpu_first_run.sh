@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first run of poslsh on a GPU, one command for one device lease: correctness against the float64
-# oracle, the 128k and 32k timings, patched transformers models, the per-head cache's decoding, then the
-# GPU tests, in at most 540 s of stage limits (9 minutes; docs/gpu.md has the device call).
+# oracle, the 128k and 32k timings, patched transformers models, the per-head cache's decoding, long-context
+# decoding, then the GPU tests, in at most 540 s of stage limits (9 minutes; docs/gpu.md has the device call).
 #
 #   bash benchmarks/gpu_first_run.sh                 # from the repository root, on a CUDA machine
 #   bash benchmarks/gpu_first_run.sh --dry-run       # the same code path on the CPU (~1 min)
@@ -21,7 +21,7 @@
 #   models   70  patch_alibi on a BLOOM-560m-shaped model, bf16: exact and certified vs float64, peak memory vs eager
 #   cache    40  the per-head window cache: decoding step by step vs the float64 forward, generate()
 #   encoders 35  reserved: ALiBi encoders (their code is not in the tree yet)
-#   decode   45  reserved: long-context decoding of patched models (likewise)
+#   decode   45  patched BLOOM-560m-shaped decoding, bf16: exact (AppendCache) and certified vs float64, ms/token
 #   tests    87  pytest -m gpu in parallel shards, one row per test with its printed errors
 # 510 s of limits + 9 x 2 s of kill grace = 528 s. A stage that fails or times out is reported in one
 # line and the next one still runs; the exit status is 1 if any did.
@@ -60,7 +60,7 @@ run_stage() {   # run_stage NAME LIMIT
     models)   stage "$1" "$2" "$PY" benchmarks/gpu_models.py models "${common[@]}" ;;
     cache)    stage "$1" "$2" "$PY" benchmarks/gpu_models.py cache "${common[@]}" ;;
     encoders) reserved "$1" "ALiBi encoders: bf16 checks of the encoder models against float64 (not in the tree yet)" ;;
-    decode)   reserved "$1" "long-context decoding of patched models against float64 (not in the tree yet)" ;;
+    decode)   stage "$1" "$2" "$PY" benchmarks/gpu_decode.py "${common[@]}" ;;
     tests)    stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py tests "${common[@]}" ;;
     *)        echo "stage $1: no such stage in run_stage" >&2; FAILED="$FAILED $1" ;;
   esac

@@ -34,6 +34,26 @@ class LargestTensor(torch.overrides.TorchFunctionMode):
         return out
 
 
+class NewStorage(torch.overrides.TorchFunctionMode):
+    """Inside ``with NewStorage() as watch:``, ``watch.largest`` is the most bytes of any *new* storage a torch
+    function returned (a view of an argument's storage is not new): the check that a path copies nothing of a
+    given size (a cache's keys). Torch functions called inside a custom op are not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
 def assert_compiles_like_eager(fn, *inputs, backend="aot_eager", out_tol=None, grad_tol=None, fullgraph=True):
     """``torch.compile(fn, fullgraph=fullgraph)`` traces (without a graph break), and its output and the
     gradients of ``sum(out * g)`` (``g`` fixed and random) equal the eager ones: within ``out_tol`` /

@@ -268,3 +268,23 @@ def test_a_chunk_after_widening_runs_token_by_token():
         chunk = a.attend(q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27])
         ones = run(b, q[:, :, 20:27], k[:, :, 20:27], v[:, :, 20:27], [1])
     assert torch.equal(chunk, ones) and a.win == b.win and a.total == b.total == 27
+
+
+def test_the_bound_holds_while_a_widened_ring_refills():
+    """"widen" grows a ring whose older keys are gone: until it refills, those keys are dropped too, and every
+    step's bound still covers |cached - exact ALiBi over every past key| (the window the held keys reach)."""
+    slopes, scale = poslsh.alibi_slopes(4), 8 ** -0.5
+    q, k, v = qkv(1, 4, 2, 120, seed=3)
+    store = HeadWindows(make_window(slopes, torch.tensor([2, 2, 3, 3])), scale=scale,
+                        certificate=Certificate(2e-2, "widen", widen_at=0.5), sinks=2)
+    short = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CertificateWarning)
+        for p in range(120):
+            eff = store.effective_windows(p, 1)[:, 0] if store.K is not None else None
+            short += int(eff is not None and bool((eff < torch.tensor(store.win)).any()))
+            out = store.attend(q[:, :, p:p + 1], k[:, :, p:p + 1], v[:, :, p:p + 1])[:, :, 0]
+            exact = exact_alibi_row(q, k, v, slopes, p, scale)
+            assert bool(((out - exact).abs() <= store.last_error_bound[:, :, 0] + 1e-12).all()), p
+    print(f"widened {store.stats['widened']} to {store.win}; {short} steps with a ring still refilling")
+    assert short > 0 and min(store.stats["widened"]) > 0

@@ -26,6 +26,9 @@ than ``R``, a step's ``B_i`` can pass ``tol``, and the policy decides:
 * ``"widen"``: when ``B_i`` passes ``widen_at * tol`` the head's window grows by half (the keys it still
   holds stay; up to ``cap`` keys), so later queries keep more keys before the tolerance is reached; a
   step that still passes ``tol`` warns as ``"warn"`` does, and at the cap the head stays there and warns.
+  Until the widened ring refills, the keys it evicted before are dropped too: the bound counts them (its
+  window is the one the held keys reach, :meth:`~poslsh.decoding.HeadWindows.effective_windows`), and the
+  head widens again only once refilled.
 """
 from __future__ import annotations
 
@@ -112,7 +115,8 @@ def dropped_mass_bound(lse: Tensor, q_norm: Tensor, key_norm: Tensor, slopes: Te
         lse: ``[..., Hq, nq]`` log of the kept mass (window and sinks), ``-inf`` for a query with no key.
         q_norm: ``[..., Hq, nq]`` the queries' norms; key_norm: ``[..., Hq, 1]`` the largest key norm its KV
             head has held.
-        slopes, windows: ``[Hq, 1]`` the heads' slopes and windows now.
+        slopes: ``[Hq, 1]`` the heads' slopes; windows: ``[Hq, 1]`` or ``[Hq, nq]`` the windows of the queries
+            (the keys a head holds: :meth:`~poslsh.decoding.HeadWindows.effective_windows`).
         own: ``[..., 1, nq]`` each query's own position (tokens before it in its row).
         sinks: keys kept at the first positions of each row.
     """
@@ -140,7 +144,7 @@ def certify_step(store, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:
     cert, nq = store.certificate, q.shape[2]
     own = store._own(p0, nq)
     slopes = store.slopes.to(store.device)[:, None]
-    win = torch.tensor(store.win, device=store.device)[:, None]
+    win = store.effective_windows(p0, nq)                                 # [Hq, nq]
     kn = store.key_norm.repeat_interleave(store.r, 1)[..., None]
     bound = dropped_mass_bound(lse, q.to(torch.float64).norm(dim=-1), kn, slopes, win, own, store.sinks, scale)
     bound = bound.masked_fill(own < 0, 0)
@@ -165,7 +169,8 @@ def certify_step(store, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:
                           f"mass at position {p0 + nq - 1}, above tol={cert.tol:g} (window {store.win[h]}); "
                           "counted in stats['exceeded']", CertificateWarning, stacklevel=4)
     if cert.policy == "widen":
-        grow = [h for h, b in enumerate(per_head) if b > cert.widen_at * cert.tol]
+        refilling = (win[:, -1] < torch.tensor(store.win, device=store.device)).tolist()    # widened, not refilled
+        grow = [h for h, b in enumerate(per_head) if b > cert.widen_at * cert.tol and not refilling[h]]
         changed = False
         for h in grow:
             new = cert.widened(store.win[h])
@@ -178,5 +183,9 @@ def certify_step(store, q: Tensor, lse: Tensor, p0: int, scale: float) -> None:
                               f"{per_head[h]:.3g} passes {cert.widen_at:g} x tol; it cannot widen further",
                               CertificateWarning, stacklevel=4)
         if changed:
+            old = list(store.cap)
             store._caps()
+            for j, (a, b) in enumerate(zip(old, store.cap)):       # a ring that grows refills from here
+                if b > a:
+                    store.held_from[j] = max(store.held_from[j], store.total - a)
             store._layout([min(c, max(a, store.total + 1)) for a, c in zip(store.alloc, store.cap)])

@@ -115,6 +115,7 @@ class HeadWindows:
         self.v_lo = v.new_full((B, Hkv, self.dv), math.inf, dtype=torch.float64)
         self.sink_k, self.sink_v = k.new_zeros(B, Hkv, self.sinks, d), v.new_zeros(B, Hkv, self.sinks, self.dv)
         self.sink_n = [0] * B
+        self.held_from = [0] * Hkv                # per KV head: no key before this padded position is held
         self._caps()
         self._layout(self.alloc)
 
@@ -157,6 +158,13 @@ class HeadWindows:
             reach = torch.where(own[None] == qkv[:, None], win[:, None], torch.full_like(own[None], -1))
             neg = (-self.slopes[qh]).to(self.dtype if self.dtype.is_floating_point else torch.float32)
             self._buckets.append((a * self.r, b * self.r, lo, hi, reach.to(self.device), neg[:, None].to(self.device)))
+
+    def effective_windows(self, p0: int, nq: int) -> Tensor:
+        """``[Hq, nq]``: the window of each head at the queries ``[p0, p0 + nq)``, cut where a ring widened by the
+        certificate has not refilled yet (its keys before ``held_from`` are gone)."""
+        held = torch.tensor(self.held_from, device=self.device).repeat_interleave(self.r)[:, None]
+        w = torch.tensor(self.win, device=self.device)[:, None]
+        return torch.minimum(w, torch.arange(p0, p0 + nq, device=self.device)[None] - held)
 
     def _ensure(self, upto: int) -> None:
         """Room in every ring for the positions ``[upto - C_j, upto)``."""

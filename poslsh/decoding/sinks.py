@@ -20,7 +20,7 @@ def sink_attention(store, q: Tensor, out: Tensor, lse: Tensor, p0: int, scale: f
     own = store._own(p0, nq)[..., None]                                             # [B, 1, nq, 1]
     j = torch.arange(store.sinks, device=store.device)
     have = (j[None] < torch.tensor(store.sink_n, device=store.device)[:, None])[:, None, None]   # [B,1,1,k]
-    win = torch.tensor(store.win, device=store.device)[None, :, None, None]
+    win = store.effective_windows(p0, nq)[None, :, :, None]                         # [1, Hq, nq, 1]
     dist = own - j
     seen = have & (dist > win)
     sk = store.sink_k.repeat_interleave(store.r, 1)

@@ -327,3 +327,24 @@ def test_bad_sampler_is_a_one_line_error():
         hf.PositionalConfig(sampler="sobol")
     with pytest.raises(ValueError, match="group_size"):
         hf.PositionalConfig(sampler="iid", group_size=4)
+
+
+def test_alibi_scheme_decodes_on_an_append_cache_through_the_window_op(monkeypatch):
+    """generate() of an "alibi" model appends in place (AppendCache) and its decoding steps run the window op
+    (no window) instead of the dense nq x nk path: the tokens of generation without a cache, left padding too."""
+    from poslsh.ops.torch import decode, ops as torch_ops
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[2])
+        return decode.forward(*args)
+
+    monkeypatch.setitem(torch_ops.KERNELS, "window", torch_ops.KERNELS["window"]._replace(few=spy))
+    model = tiny_model("alibi")
+    x = ids(B=2, n=12)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(x, return_dict_in_generate=True, **kw)
+    assert isinstance(out.past_key_values, hf.AppendCache) and len(calls) >= 9 * 2
+    assert torch.equal(out.sequences, model.generate(x, use_cache=False, **kw))

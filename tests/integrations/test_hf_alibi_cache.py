@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from poslsh.decoding import Certificate  # noqa: E402
-from poslsh.integrations.hf import PoslshCache, alibi_cache, patch_alibi  # noqa: E402
+from poslsh.integrations.hf import AppendCache, PoslshCache, alibi_cache, patch_alibi  # noqa: E402
 
 WINDOWS = [4, 9, 17, 40]
 
@@ -77,23 +77,30 @@ def test_left_padded_batch_and_beams_decode_as_without_a_cache():
     assert torch.equal(model.generate(x, attention_mask=mask, max_new_tokens=60, do_sample=False)[1, 4:], one[0])
 
 
-def test_modes_that_need_every_key_keep_transformers_cache():
-    """Exact ALiBi, certified windows, positional LSH and Falcon's bfloat16 bias decode on the DynamicCache
-    (every key), and alibi_cache says why in one line; re-patching to windows returns to the window cache."""
+def test_each_mode_decodes_on_its_cache():
+    """Exact ALiBi, positional LSH and Falcon's bfloat16 bias decode on the AppendCache (every key) and
+    alibi_cache says why in one line; fixed and certified windows on the per-head window cache (certified: with
+    the certificate of patch_alibi's tol); re-patching changes the cache."""
     x = torch.randint(0, 64, (1, 8))
     model = _bloom()
-    for kw in (dict(), dict(window="certified", tol=1e-3), dict(num_samples=3)):
+    for kw in (dict(), dict(num_samples=3)):
         patch_alibi(model, **kw)
         out = model.generate(x, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-        assert not isinstance(out.past_key_values, PoslshCache), kw
+        assert isinstance(out.past_key_values, AppendCache), kw
         with pytest.raises(ValueError, match="no per-head window cache"):
             alibi_cache(model)
-    patch_alibi(model, window=8)
+    for kw in (dict(window=8), dict(window="certified", tol=1e-3)):
+        patch_alibi(model, **kw)
+        out = model.generate(x, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert isinstance(out.past_key_values, PoslshCache), kw
+    assert out.past_key_values.layers[0].certificate == Certificate(1e-3, "warn")
+    model.train()
     out = model.generate(x, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PoslshCache)
+    assert type(out.past_key_values) is transformers.DynamicCache
     falcon = patch_alibi(_falcon(), window=8, falcon_bias="bfloat16")
     with pytest.raises(ValueError, match="bfloat16"):
         alibi_cache(falcon)
+    assert isinstance(falcon.generate(x, max_new_tokens=2, return_dict_in_generate=True).past_key_values, AppendCache)
     with pytest.raises(ValueError, match="not patched"):
         alibi_cache(_bloom())
 

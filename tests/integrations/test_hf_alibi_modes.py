@@ -250,7 +250,8 @@ def test_whole_float_and_infinite_windows_are_windows(window):
 def test_the_reported_mode_is_asked_of_the_layers_positional_object():
     """alibi_stats()'s "mode" is derived from each layer's object: windows that cut no key are exact ALiBi
     (window=None and window=inf alike), windows that cut one head's keys are windows, partitions positional LSH,
-    no fixed object (chosen per call) certified; only fixed windows that cut keys decode on the per-head cache."""
+    no fixed object (chosen per call) certified; fixed windows that cut keys and certified ones decode on the
+    per-head cache."""
     inf = float("inf")
     for kw, mode in [(dict(), "exact"), (dict(window=inf), "exact"), (dict(window=[inf, inf, 3, inf]), "window"),
                      (dict(num_samples=2), "positional_lsh"), (dict(window="certified", tol=1e-3), "certified")]:
@@ -259,7 +260,8 @@ def test_the_reported_mode_is_asked_of_the_layers_positional_object():
         assert [s["mode"] for s in alibi_stats(model)] == [mode] * len(layers), kw
         assert all(st.fixed_windows == (mode == "window") for st in layers), kw
         assert (alibi_stats(model)[0].get("window") is None) == (mode != "window"), kw    # certified: after a call
-        if mode == "window":
+        assert all(st.per_head_cache == (mode in ("window", "certified")) for st in layers), kw
+        if mode in ("window", "certified"):
             alibi_cache(model)
         else:
             with pytest.raises(ValueError, match=f"attends with {mode}"):

@@ -15,9 +15,9 @@ Two families of models, each a sub-package, on shared pieces below them:
   checkpoints (:func:`load_alibi_encoder`), no remote code; they need no transformers class.
 
 Below them, what both families use: :mod:`.cache` (:class:`PoslshCache`, the bounded KV cache of
-``generate()``), and the shared pieces :mod:`.rows` (batch rows at their own positions, one op call per group of
-rows), :mod:`.masks` (padding and packed documents) and :mod:`.config` (:class:`PositionalConfig`, the scheme a
-converted model saves; the cache keys on it). Every import points down
+``generate()``; :class:`AppendCache`, every key appended in place), and the shared pieces :mod:`.rows` (batch
+rows at their own positions, one op call per group of rows), :mod:`.masks` (padding and packed documents) and
+:mod:`.config` (:class:`PositionalConfig`, the scheme a converted model saves; the cache keys on it). Every import points down
 (``hf -> schemes | alibi | encoders -> cache -> rows, masks, config``; ``tests/test_architecture.py``), and the families never
 import each other: a new family of models is a sibling sub-package.
 
@@ -31,7 +31,7 @@ from .. import require_transformers
 require_transformers()      # one line naming what to install, before the imports that need it
 
 from .alibi import alibi_cache, alibi_stats, patch_alibi  # noqa: E402
-from .cache import PoslshCache, enable_generation_cache, generation_cache  # noqa: E402
+from .cache import AppendCache, PoslshCache, enable_generation_cache, generation_cache  # noqa: E402
 from .config import IMPLEMENTATIONS, SCHEME_RULES, SCHEMES, PositionalConfig, positional_config  # noqa: E402
 from .encoders import load_alibi_encoder, pool_embeddings  # noqa: E402
 from .schemes import (CONTEXT_KWARG, NO_ROTATION, STEP_KWARG, LayerState, NoRotaryEmbedding,  # noqa: E402
@@ -44,7 +44,7 @@ __all__ = ["SCHEMES", "IMPLEMENTATIONS", "NO_ROTATION", "PositionalConfig", "reg
            "model_from_config", "from_pretrained", "positional_config", "layer_partitions", "layer_window",
            "LayerState", "layer_state", "NoRotaryEmbedding", "poslsh_attention_forward", "alibi_attention_forward",
            "fixed_blocks_attention_forward", "alibi_window_attention_forward", "attention_forward", "SCHEME_RULES",
-           "layer_positional", "PoslshCache", "generation_cache",
+           "layer_positional", "PoslshCache", "AppendCache", "generation_cache",
            "enable_generation_cache", "STEP_KWARG", "CONTEXT_KWARG", "patch_alibi", "alibi_stats", "alibi_cache",
            "load_alibi_encoder", "pool_embeddings"]
 

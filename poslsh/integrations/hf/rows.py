@@ -39,10 +39,10 @@ def attend_at(q: Tensor, k: Tensor, v: Tensor, positional: Positional, q_start: 
 
 def attend_row_groups(query: Tensor, dv: int, groups: Dict[RowSpan, List[int]],
                       attend_span: Callable[[Union[slice, Tensor], RowSpan], Tensor]) -> Tensor:
-    """The batch's output ``[B, Hq, nq, dv]`` from one call per group (:func:`~poslsh.decoding.rows.row_groups`):
-    ``attend_span(rows, span) -> [len(rows), Hq, span.i1 - span.i0, dv]`` (``rows``: ``slice(None)`` for a group
-    of every row, else their indices), zero where no group attends. A batch that is one group of every row and
-    every query is that call's output itself."""
+    """The batch's output ``[B, Hq, nq, dv]`` from one call per group (:func:`~poslsh.decoding.rows.row_groups`),
+    split into runs of consecutive rows: ``attend_span(rows, span) -> [len(rows), Hq, span.i1 - span.i0, dv]``
+    (``rows`` a ``slice``: the callers' keys and values stay views, never a gathered copy of a cache), zero where
+    no group attends. A batch that is one group of every row and every query is that call's output itself."""
     B, Hq, nq = query.shape[:3]
     if len(groups) == 1:
         span, rows = next(iter(groups.items()))
@@ -50,8 +50,19 @@ def attend_row_groups(query: Tensor, dv: int, groups: Dict[RowSpan, List[int]],
             return attend_span(slice(None), span)
     out = query.new_zeros(B, Hq, nq, dv)
     for span, rows in groups.items():
-        idx = slice(None) if len(rows) == B else torch.tensor(rows, device=query.device)
-        out[idx, :, span.i0:span.i1] = attend_span(idx, span)
+        for a, b in _runs(rows):
+            out[a:b, :, span.i0:span.i1] = attend_span(slice(a, b), span)
+    return out
+
+
+def _runs(rows: List[int]) -> List[Tuple[int, int]]:
+    """Sorted rows as runs of consecutive ones ``[a, b)``."""
+    out: List[Tuple[int, int]] = []
+    for r in sorted(rows):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
     return out
 
 

@@ -46,7 +46,7 @@ from ..._validation import AttnShape, compute_dtype
 from ...partitions import Partitions
 from ...threads import intra_op_threads
 from ..registry import register_backend
-from . import band
+from . import band, decode
 from .kernels import backward, few_queries_forward, forward
 from .plan import Layout, RowBounds, Span, document_row_bounds, row_bounds, \
     window_block_widths, window_row_bounds
@@ -88,10 +88,14 @@ class OpKernels(NamedTuple):
     None)``"""
     band: bool
     """the band kernels serve its calls without packed documents and with more than ``FEW_QUERIES`` queries"""
+    few: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
+    """its forward for ``FEW_QUERIES`` queries or fewer without packed documents (None: the general few-queries
+    path of :mod:`.kernels`)"""
 
 
 # Keyed by the positional object's own answer, ``positional.op``.
-KERNELS = {"sequence": OpKernels(_partition_rows, band=False), "window": OpKernels(_window_rows, band=True)}
+KERNELS = {"sequence": OpKernels(_partition_rows, band=False),
+           "window": OpKernels(_window_rows, band=True, few=decode.forward)}
 
 
 def make_plan(op: str, a: Tensor, b: Tensor, span: Span, layout: Optional[Layout], causal: bool, device,
@@ -153,6 +157,8 @@ def run_forward(op: str, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, 
     span = _span(q, k, positions)
     if few and _on_band(op, doc_start, span.n_q):
         return band.forward(q, k, v, a, b, _shape(q, k, v), scale, causal, span.delta, need_lse)
+    if few and KERNELS[op].few is not None and doc_start is None and span.n_q <= FEW_QUERIES:
+        return KERNELS[op].few(q, k, v, a, b, _shape(q, k, v), scale, causal, span.delta, need_lse)
     outs, lses, order = [], [], []
     for rows, layout in _packings(doc_start, doc_end):
         qs, ks, vs = (_rows(x, rows) for x in (q, k, v))

@@ -15,6 +15,7 @@ checkpointing find it too) and a replay finds it there.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -86,10 +87,18 @@ def call_of(mask) -> AlibiCall:
     return NO_CALL
 
 
+@functools.lru_cache(maxsize=256)
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
 def _bound_arguments(module, args, kwargs) -> dict:
     """The forward's arguments by name (positional ones too), or the keyword ones when they do not bind."""
     try:
-        sig = inspect.signature(module.forward)
+        fn = module.forward
+        sig = _signature(getattr(fn, "__func__", fn))
+        if hasattr(fn, "__func__"):              # a bound method: its signature without ``self``
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:])
         named = dict(sig.bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         return dict(kwargs)

@@ -91,6 +91,18 @@ class LayerAlibi:
         return self.positional is not None and self.positional.op in PER_HEAD_STORES and not self.exact
 
     @property
+    def certified(self) -> bool:
+        """Windows chosen from the inputs (``window="certified"``): per call without a cache, from the prefill on
+        a per-head window cache (:meth:`decoding_window`)."""
+        return self.positional is None and self.tol is not None
+
+    @property
+    def per_head_cache(self) -> bool:
+        """``generate()`` decodes this layer on a per-head window cache: fixed or certified windows of exact ALiBi
+        (Falcon's bfloat16 bias adds a per-key rounding a window store does not apply)."""
+        return (self.fixed_windows or self.certified) and self.key_bias is None
+
+    @property
     def mode(self) -> str:
         """``alibi_stats()``'s word for this layer: ``"exact"``, ``"window"``, ``"certified"`` or
         ``"positional_lsh"`` (see :data:`STATS_MODES`)."""
@@ -109,12 +121,22 @@ class LayerAlibi:
         self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2])}
         return make_window(self.slopes.to(query.device), w.to(query.device))
 
+    def decoding_window(self, query: Tensor, key: Tensor) -> Positional:
+        """The certified windows a per-head window cache keeps for the rest of a sequence, chosen from its prefill
+        (``query [B, Hq, n, d]``, ``key [B, Hkv, n, d]``): ``smallest_window(tol, sigma_h, R_h)`` at every length
+        (``n=None``), ``R_h`` the prefill's :func:`~poslsh.theory.logit_range_bound`. Rigorous for the prefill's
+        queries; for later ones an estimate the cache's certificate checks at every step."""
+        R = logit_range_bound(query, key, self.scale)
+        w = smallest_window(self.tol, 1.0 / self.slopes, R.cpu(), causal=True, n=None)
+        self.last = {"window": w.tolist(), "logit_range": R.tolist(), "keys": int(key.shape[2]), "decoding": True}
+        return make_window(self.slopes.to(query.device), w.to(query.device))
+
     def stats(self) -> dict:
         out = {"layer": self.layer, "family": self.family, "mode": self.mode, "heads": int(self.slopes.numel()),
                "slopes": self.slopes.tolist(), "falcon_bias": "bfloat16" if self.key_bias is not None else None}
         if self.positional is None:                 # certified: the windows of the last call
             out.update(tol=self.tol, window=self.last.get("window"), logit_range=self.last.get("logit_range"),
-                       keys=self.last.get("keys"))
+                       keys=self.last.get("keys"), decoding=self.last.get("decoding", False))
         elif self.num_samples is not None:          # positional LSH
             out["num_samples"] = self.num_samples
         else:

@@ -128,6 +128,14 @@ def _guard_output_attentions(config) -> None:
     config.__class__ = _GUARDED[cls]
 
 
+def _placeholder_bias(*args, device=None, dtype=None, **kwargs) -> Tensor:
+    """What a patched base model builds where its own code builds the ALiBi tensor of its layers
+    (``Family.unread_bias``): the patched layers never read it."""
+    if device is None and args and isinstance(args[0], Tensor):
+        device = args[0].device
+    return torch.zeros(1, 1, 1, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32, device=device)
+
+
 def _pre_hook(module, args, kwargs):
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: a patched ALiBi model never forms the n x n attention weights")
@@ -194,6 +202,9 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
                                                 positions=fam.positions)
         module._poslsh_alibi.owner = weakref.ref(model.config)
         module.forward = MethodType(fam.forward, module)
+    for base in bases:
+        for name in fam.unread_bias:
+            setattr(base, name, _placeholder_bias)
     for m in {id(x): x for x in [model, *bases]}.values():
         m.config._attn_implementation = IMPLEMENTATION
         _guard_output_attentions(m.config)

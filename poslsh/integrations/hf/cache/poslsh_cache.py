@@ -40,7 +40,8 @@ from ....positional import Positional, check_positional
 from ..rows import left_padded_rows, new_token_validity
 from .heads import HeadWindowLayer
 from .layer import PoslshCacheLayer
-from .spec import CACHE_KWARG, CACHE_SCHEMES, WINDOW_SCHEMES, CacheSpec, check_layer
+from .append import AppendCache
+from .spec import CACHE_KWARG, CACHE_SCHEMES, FULL_SCHEMES, WINDOW_SCHEMES, CacheSpec, check_layer
 
 __all__ = ["PoslshCache", "attend", "packed_prefill_cache", "generation_cache", "enable_generation_cache"]
 
@@ -175,19 +176,22 @@ def generation_cache(model) -> PoslshCache:
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    """``generate()``'s cache hook: a :class:`PoslshCache` where it would make a default ``DynamicCache``."""
+    """``generate()``'s cache hook: a :class:`PoslshCache` (an :class:`AppendCache` for :data:`FULL_SCHEMES`) where
+    it would make a default ``DynamicCache``."""
+    scheme = self.config.get_text_config(decoder=True)._attn_implementation
     if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
             and not getattr(generation_config, "is_assistant", False)
-            and self.config.get_text_config(decoder=True)._attn_implementation in CACHE_SCHEMES):
-        model_kwargs["cache"] = PoslshCache(self)
+            and scheme in CACHE_SCHEMES + FULL_SCHEMES):
+        model_kwargs["cache"] = PoslshCache(self) if scheme in CACHE_SCHEMES else AppendCache()
         return None
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
 def enable_generation_cache(model):
     """Make ``model.generate()`` use a :class:`PoslshCache` wherever it would build a default
-    cache and the model runs one of :data:`CACHE_SCHEMES` (checked at each call); returns
+    cache and the model runs one of :data:`CACHE_SCHEMES`, an :class:`AppendCache` for exact ALiBi
+    (:data:`FULL_SCHEMES`) (checked at each call); returns
     ``model``. ``hf.apply_positional_scheme``, ``hf.from_pretrained`` and
     ``hf.model_from_config`` do this."""
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)

@@ -9,13 +9,15 @@ from typing import Optional
 from ....decoding import PER_HEAD_STORES
 from ..config import POSITIONAL_FIELDS, SCHEME_RULES, positional_config
 
-__all__ = ["CACHE_KWARG", "WINDOW_SCHEMES", "CACHE_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
+__all__ = ["CACHE_KWARG", "WINDOW_SCHEMES", "CACHE_SCHEMES", "FULL_SCHEMES", "NEW_CACHE", "CacheSpec", "check_layer"]
 
 CACHE_KWARG = "poslsh_cache_layer"
 # The schemes a cache serves: those whose positional object drops keys (exact ALiBi keeps every one) ...
 CACHE_SCHEMES = tuple(name for name, rules in SCHEME_RULES.items() if rules.near_linear)
 # ... and of them, those whose kind keeps a store per KV head (asked of the kind, as decoding asks it)
 WINDOW_SCHEMES = tuple(name for name in CACHE_SCHEMES if SCHEME_RULES[name].kind.op in PER_HEAD_STORES)
+# ... and the schemes that need every key (exact ALiBi): generate() appends them in place (AppendCache)
+FULL_SCHEMES = tuple(name for name, rules in SCHEME_RULES.items() if not rules.near_linear)
 NEW_CACHE = "build a new one with poslsh.integrations.hf.generation_cache(model)"
 
 

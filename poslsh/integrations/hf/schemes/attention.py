@@ -33,8 +33,10 @@ softcapping raise.
 Decoding with a KV cache: ``generate()`` of a poslsh / fixed_blocks / alibi-window model built,
 converted or loaded here uses a bounded :class:`~poslsh.integrations.hf.cache.PoslshCache`
 (:func:`generation_cache`, :func:`enable_generation_cache`), which drops the keys no later
-query can see. Decoding against a full cache (``DynamicCache``, left padding) runs the op at the
-queries' and keys' positions (``q_start``, ``k_start``), one call per group of rows with equal offsets.
+query can see; an ``"alibi"`` model an :class:`~poslsh.integrations.hf.cache.AppendCache` (every key,
+appended in place). Decoding against a full cache (left padding) runs the op at the queries' and keys'
+positions (``q_start``, ``k_start``), one call per group of rows with equal offsets; for ``"alibi"`` the
+window op without a window (its few-query path reads the cache in place).
 Context parallelism (``poslsh_context``): every scheme but exact ALiBi.
 """
 from __future__ import annotations
@@ -185,6 +187,9 @@ def attention_forward(scheme: str, module, query, key, value, attention_mask, sc
             docs = None if window is not None else packed_documents(allowed, kwargs, B, nq, nk)
             if docs is not None:
                 out = attend(query, key, value, positional, causal=causal, scale=scaling, backend="reference", **docs)
+            elif window is None and causal and nq < nk and (pads := left_pads(allowed, B, nq, nk)) is not None:
+                # a decoding step against every past key: the window op (no window), O(nk d), no nq x nk bias
+                out = span_rows_attention(query, key, value, positional, nk - nq, 0, pads, scaling, backend)
             else:
                 bias = layer_alibi_bias(module, H, nq, nk, query.device, _bias_dtype(query))
                 out = _dense(query, key, value, allowed, bias, scaling, causal, window)

@@ -2,15 +2,22 @@
 the call's arguments read by name, whatever the order a transformers release passes them in."""
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from torch import Tensor
 
 from .... import BELOW_TRANSFORMERS, MIN_TRANSFORMERS
 
-__all__ = ["Family", "arguments"]
+__all__ = ["Family", "arguments", "signature_of"]
+
+
+@functools.lru_cache(maxsize=256)
+def signature_of(fn) -> inspect.Signature:
+    """``inspect.signature(fn)``, once per function (a decoding step binds every layer's arguments)."""
+    return inspect.signature(fn)
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,9 @@ class Family:
     from the first real token; :func:`~poslsh.integrations.hf.alibi.attend.row_positions`). ``bias_scaled``: the
     bias is scaled with the logits (``(q . k + m_h p) / sqrt(d)``). ``rounded_bias(slopes32, head_dim)``: the
     model's own rounded bias term, reproduced with ``falcon_bias="bfloat16"`` (None: the family has none).
+    ``unread_bias``: the base model's methods that build its own ALiBi tensor for the layers, which the patched
+    layers never read (BLOOM's ``O(B H n)`` per forward, at every decoding step): a patched model's return a
+    ``[1, 1, 1]`` placeholder.
     """
 
     name: str
@@ -39,13 +49,14 @@ class Family:
     positions: str = "cumsum"
     bias_scaled: bool = False
     rounded_bias: Optional[Callable] = None
+    unread_bias: Tuple[str, ...] = ()
 
 
 def arguments(self, args, kwargs) -> dict:
     """The call's arguments by the names of the module's own (unpatched) forward, whatever their order or
     number in this transformers release; the cache under ``"cache"`` (``layer_past`` / ``past_key_values``)."""
     try:
-        sig = inspect.signature(type(self).forward)
+        sig = signature_of(type(self).forward)
         named = dict(sig.bind(self, *args, **kwargs).arguments)
         for p in sig.parameters.values():           # the **kwargs entry, flattened
             if p.kind is p.VAR_KEYWORD:
