@@ -15,7 +15,7 @@ with real tokens ``[s, e)`` (the :class:`~.call.AlibiCall`'s mask) :func:`attend
   transformers' BLOOM and MPT give NaN there; Falcon the same equal weights);
 * a row whose real tokens have a gap: exact and dense per query chunk at the family's positions.
 
-In training with attention dropout ``p > 0`` the rows go through :func:`chunked_attention` (exact, dense
+In training with attention dropout ``p > 0`` the rows go through :func:`..dense.chunked_attention` (exact, dense
 per query chunk, recomputed in the backward). :func:`update_kv` is the one place a layer's new keys and
 values meet its cache.
 """
@@ -28,12 +28,11 @@ from torch import Tensor
 
 from ....decoding.rows import RowSpan, row_groups
 from ....positional import Positional
+from ..dense import CHUNK, chunked_attention
 from ..rows import attend_at, attend_row_groups
 from .call import NO_CALL, AlibiCall, row_runs
 
-__all__ = ["row_positions", "update_kv", "attend_rows", "chunked_attention", "CHUNK"]
-
-CHUNK = 256                      # query rows per chunk of the exact dense path (masked queries, gaps, dropout)
+__all__ = ["row_positions", "update_kv", "attend_rows"]
 
 
 def row_positions(valid: Tensor, rule: str) -> Tensor:
@@ -165,35 +164,3 @@ def _with_key_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) 
     ones = torch.ones(*q.shape[:3], 1, dtype=q.dtype, device=q.device)
     extra = (bias.to(k.dtype) / scale)[None, :, :, None].expand(k.shape[0], -1, -1, -1)
     return torch.cat([q, ones], -1), torch.cat([k, extra], -1), v
-
-
-def chunked_attention(q: Tensor, k: Tensor, v: Tensor, positional: Positional, scale: float, q_pos: Tensor,
-                      k_pos: Tensor, q_idx: Tensor, k_idx: Tensor, key_ok: Optional[Tensor], p: float) -> Tensor:
-    """Exact causal attention (``k_idx <= q_idx``, keys ``key_ok``) with the positional object's dense bias
-    between ``q_pos [nq]`` and ``k_pos [nk]``, and dropout ``p`` on the probabilities (training): dense per
-    chunk of :data:`CHUNK` queries (``O(chunk nk)`` memory), each chunk recomputed in the backward with the
-    same dropout mask (``torch.utils.checkpoint`` keeps the RNG state). A query with no key gives 0."""
-    from torch.utils.checkpoint import checkpoint
-
-    B, Hq, nq, _ = q.shape
-    k = k.repeat_interleave(Hq // k.shape[1], dim=1) if k.shape[1] != Hq else k
-    v = v.repeat_interleave(Hq // v.shape[1], dim=1) if v.shape[1] != Hq else v
-    dev = q.device
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ok = None if key_ok is None else key_ok.to(dev)
-
-    def chunk(qc: Tensor, c0: int) -> Tensor:
-        c1 = c0 + qc.shape[2]
-        bias = positional.dense_bias(q_pos[c0:c1].to(dev), k_pos.to(dev)).to(dt)        # [H, c, nk], -inf outside
-        allowed = k_idx.to(dev)[None, :] <= q_idx[c0:c1].to(dev)[:, None]
-        if ok is not None:
-            allowed = allowed & ok[None, :]
-        s = torch.einsum("bhid,bhjd->bhij", qc.to(dt), k.to(dt)) * scale + bias
-        w = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-        if p > 0:
-            w = torch.nn.functional.dropout(w, p=p, training=True)
-        return torch.einsum("bhij,bhjd->bhid", w, v.to(dt)).to(q.dtype)
-
-    outs = [checkpoint(chunk, q[:, :, c0:c0 + CHUNK], c0, use_reentrant=False) if torch.is_grad_enabled()
-            else chunk(q[:, :, c0:c0 + CHUNK], c0) for c0 in range(0, nq, CHUNK)]
-    return torch.cat(outs, 2) if outs else q.new_zeros(B, Hq, 0, v.shape[-1])
