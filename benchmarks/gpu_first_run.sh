@@ -20,7 +20,7 @@
 #   t32k     40  n=32768, the same
 #   models   70  patch_alibi on a BLOOM-560m-shaped model, bf16: exact and certified vs float64, peak memory vs eager
 #   cache    40  the per-head window cache: decoding step by step vs the float64 forward, generate()
-#   encoders 35  reserved: ALiBi encoders (their code is not in the tree yet)
+#   encoders 35  ALiBi encoders (DNABERT-2 shapes), bf16: exact and certified vs float64, time and memory vs dense
 #   decode   45  patched BLOOM-560m-shaped decoding, bf16: exact (AppendCache) and certified vs float64, ms/token
 #   tests    87  pytest -m gpu in parallel shards, one row per test with its printed errors
 # 510 s of limits + 9 x 2 s of kill grace = 528 s. A stage that fails or times out is reported in one
@@ -59,7 +59,7 @@ run_stage() {   # run_stage NAME LIMIT
     t32k)     stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py times --n 32768 "${common[@]}" ;;
     models)   stage "$1" "$2" "$PY" benchmarks/gpu_models.py models "${common[@]}" ;;
     cache)    stage "$1" "$2" "$PY" benchmarks/gpu_models.py cache "${common[@]}" ;;
-    encoders) reserved "$1" "ALiBi encoders: bf16 checks of the encoder models against float64 (not in the tree yet)" ;;
+    encoders) stage "$1" "$2" "$PY" benchmarks/gpu_encoders.py "${common[@]}" ;;
     decode)   stage "$1" "$2" "$PY" benchmarks/gpu_decode.py "${common[@]}" ;;
     tests)    stage "$1" "$2" "$PY" benchmarks/gpu_first_run.py tests "${common[@]}" ;;
     *)        echo "stage $1: no such stage in run_stage" >&2; FAILED="$FAILED $1" ;;

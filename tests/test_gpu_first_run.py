@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "benchmarks/gpu_first_run.sh"
 STAGES = ["warm", "check", "t128k", "t32k", "models", "cache", "encoders", "decode", "tests"]
-RESERVED = ["encoders"]
+RESERVED = []
 BUDGET = 540
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="bash script")
@@ -91,13 +91,15 @@ def test_dry_run_goes_through_every_stage(tmp_path):
             assert timed[("poslsh-triton last 64 rows vs float64", "fwd")] == "PASS"
             assert timed[("poslsh-triton", "fwd+bwd")] == "ok"
             assert any(item.startswith("target: exact ALiBi (flex) / poslsh-triton") for item, _ in timed)
-    models = {x["item"]: x["result"] for x in rows if x["stage"] in ("models", "cache", "decode")}
+    models = {x["item"]: x["result"] for x in rows if x["stage"] in ("models", "cache", "encoders", "decode")}
     if _transformers_ok():
         for item in ("patch_alibi exact", "patch_alibi certified (tol 0.001)", "per-head cache decoding vs float64",
                      "rows kept per KV head = window + 1", "generate() on the per-head cache",
                      "exact decoding (AppendCache) vs float64", "generate() decodes exact ALiBi on an AppendCache",
                      "certified decoding (tol 0.001) vs float64 at its windows",
-                     "rows kept per KV head = min(tokens, window + 1)"):
+                     "rows kept per KV head = min(tokens, window + 1)",
+                     *(f"{m} vs float64 exact, {what}" for m in ("exact", "certified")
+                       for what in ("4 padded rows", "one row"))):
             assert models.get(item) == "PASS", (item, models)
         timed = [(x["item"], x["n"]) for x in rows if x["stage"] == "decode" and x["result"] == "ok"
                  and x["item"] != "stage decode"]
