@@ -266,3 +266,14 @@ def test_the_reported_mode_is_asked_of_the_layers_positional_object():
         else:
             with pytest.raises(ValueError, match=f"attends with {mode}"):
                 alibi_cache(model)
+
+
+def test_the_unread_alibi_tensors_keep_their_shapes_in_no_memory():
+    """The base model's own ALiBi tensor, which the patched layers never read, has the shape the model's code
+    expects (whatever it does with it) and holds one element."""
+    bloom, mpt = patch_alibi(tiny_model("bloom4")), patch_alibi(tiny_model("mpt"))
+    mask = torch.ones(3, 50, dtype=torch.long)
+    a = bloom.transformer.build_alibi_tensor(mask, 4, dtype=torch.float64)
+    b = mpt.transformer.build_mpt_alibi_tensor(4, 64, device=torch.device("cpu"))
+    assert a.shape == (12, 1, 50) and a.dtype == torch.float64 and b.shape == (4, 1, 64)
+    assert a.stride() == (0, 0, 0) and b.stride() == (0, 0, 0) and not a.any() and not b.any()

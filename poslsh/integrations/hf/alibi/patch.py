@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from types import MethodType
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor
@@ -128,12 +128,18 @@ def _guard_output_attentions(config) -> None:
     config.__class__ = _GUARDED[cls]
 
 
-def _placeholder_bias(*args, device=None, dtype=None, **kwargs) -> Tensor:
+def _placeholder_bias(shape_of: Callable) -> Callable:
     """What a patched base model builds where its own code builds the ALiBi tensor of its layers
-    (``Family.unread_bias``): the patched layers never read it."""
-    if device is None and args and isinstance(args[0], Tensor):
-        device = args[0].device
-    return torch.zeros(1, 1, 1, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32, device=device)
+    (``Family.unread_bias``), which the patched layers never read: zeros of the tensor's shape, a stride-0
+    view (``O(1)``)."""
+    def build(*args, **kwargs) -> Tensor:
+        device = kwargs.get("device")
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, Tensor)), None)
+        dtype = kwargs.get("dtype")
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        return torch.zeros((), dtype=dtype, device=device).expand(*shape_of(*args, **kwargs))
+    return build
 
 
 def _pre_hook(module, args, kwargs):
@@ -203,8 +209,8 @@ def patch_alibi(model, *, window=None, tol: Optional[float] = None, num_samples:
         module._poslsh_alibi.owner = weakref.ref(model.config)
         module.forward = MethodType(fam.forward, module)
     for base in bases:
-        for name in fam.unread_bias:
-            setattr(base, name, _placeholder_bias)
+        for name, shape_of in fam.unread_bias.items():
+            setattr(base, name, _placeholder_bias(shape_of))
     for m in {id(x): x for x in [model, *bases]}.values():
         m.config._attn_implementation = IMPLEMENTATION
         _guard_output_attentions(m.config)

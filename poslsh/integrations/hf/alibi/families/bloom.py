@@ -44,4 +44,5 @@ def _check(config) -> None:
 
 FAMILY = Family("bloom", "BloomModel", "BloomAttention", _forward, bloom_slopes, _check,
                 heads=lambda m: (m.num_heads, m.head_dim), scale=lambda m: float(m.inv_norm_factor),
-                kv_heads=lambda m: m.num_heads, unread_bias=("build_alibi_tensor",))
+                kv_heads=lambda m: m.num_heads, unread_bias={"build_alibi_tensor": lambda mask, heads, *a, **k: (mask.shape[0] * heads, 1,
+                                                                                  mask.shape[-1])})

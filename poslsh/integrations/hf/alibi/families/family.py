@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 from torch import Tensor
 
@@ -33,8 +33,9 @@ class Family:
     bias is scaled with the logits (``(q . k + m_h p) / sqrt(d)``). ``rounded_bias(slopes32, head_dim)``: the
     model's own rounded bias term, reproduced with ``falcon_bias="bfloat16"`` (None: the family has none).
     ``unread_bias``: the base model's methods that build its own ALiBi tensor for the layers, which the patched
-    layers never read (BLOOM's ``O(B H n)`` per forward, at every decoding step): a patched model's return a
-    ``[1, 1, 1]`` placeholder.
+    layers never read (BLOOM's ``O(B H n)`` per forward, at every decoding step), each with the shape its
+    tensor has (``(args, kwargs) -> shape``): a patched model's return zeros of that shape as a stride-0 view,
+    ``O(1)`` memory, so whatever the model's code does with the tensor's shape still holds.
     """
 
     name: str
@@ -49,7 +50,7 @@ class Family:
     positions: str = "cumsum"
     bias_scaled: bool = False
     rounded_bias: Optional[Callable] = None
-    unread_bias: Tuple[str, ...] = ()
+    unread_bias: Dict[str, Callable] = field(default_factory=dict)
 
 
 def arguments(self, args, kwargs) -> dict:

@@ -46,4 +46,4 @@ def _check(config) -> None:
 
 FAMILY = Family("mpt", "MptModel", "MptAttention", _forward, _slopes, _check,
                 heads=lambda m: (m.n_heads, m.head_dim), scale=lambda m: float(m.softmax_scale),
-                kv_heads=lambda m: m.n_heads, positions="index", unread_bias=("build_mpt_alibi_tensor",))
+                kv_heads=lambda m: m.n_heads, positions="index", unread_bias={"build_mpt_alibi_tensor": lambda heads, n, *a, **k: (heads, 1, n)})
