@@ -107,6 +107,8 @@ def check_covered(positional: Positional, span: Span, causal: bool) -> None:
     """The keys ``[k_start, k_start + n_k)`` must hold every key the queries ``[q_start, q_start + n_q)``
     can see (:meth:`~poslsh.positional.Positional.reach`); a ValueError names the gap. Inside
     ``torch.compile`` a runtime assert with the same rule."""
+    if causal and span.k_start == 0 and span.n_k >= span.q_start + span.n_q:
+        return      # every key from position 0 to the last query's is held: a causal reach is inside it
     pos = torch.arange(span.q_start, span.q_start + span.n_q, device=positional.device)
     first, end = positional.reach(pos, span.seq_len)                                   # [H, n_q]
     need_lo = first.amin()

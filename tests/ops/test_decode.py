@@ -88,4 +88,4 @@ def test_keys_in_a_larger_buffer_are_read_in_place(B, Hkv, window):
     with NewStorage() as gather:
         kernels.few_queries_forward(q[:, :, -1:], kb, vb, window_row_bounds(win, span, True, "cpu"), shape, 0.25,
                                     SLOPES.float())
-    assert gather.largest >= key_bytes           # the watch sees a copy of the keys where there is one
+    assert gather.largest >= key_bytes / 10      # the watch sees the general path's copies (per group of heads)
