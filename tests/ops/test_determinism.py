@@ -101,12 +101,12 @@ def test_window_op_is_bitwise_reproducible(many_chunks, case, causal):
         (q, k, v), dout, dlse = inputs
         inputs = [[q, k.detach()[:, :, 300:].requires_grad_(), v.detach()[:, :, 300:].requires_grad_()], dout, dlse]
         extra = dict(q_start=500, k_start=300, seq_len=N)
-    if case == "decoding":                                    # a few queries: one dense pass per head forward
+    if case == "decoding":                                    # a few queries: one batched product forward,
         inputs = _inputs(q_rows=slice(N - 3, N))
-        extra = dict(q_start=N - 3, seq_len=N)
+        extra = dict(q_start=N - 3, seq_len=N)                # the backward's few items on the threads
     op = dict(inputs=inputs, call=lambda q, k, v: poslsh.windowed_alibi_attention(
         q, k, v, SLOPES, window=window, causal=causal, backend="torch", return_lse=True, **extra))
-    _assert_reproducible(op, many_chunks, many=4 if case == "decoding" else 8)
+    _assert_reproducible(op, many_chunks, many=3 if case == "decoding" else 8)
 
 
 @pytest.mark.parametrize("causal", [True, False])
