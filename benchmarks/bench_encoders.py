@@ -17,7 +17,9 @@ projections, MLP and norms with almost no attention, the floor under any attenti
 Time: the methods of one input timed in interleaved rounds, best kept (``bench_common.best_of_rounds``).
 Peak memory: each (method, input) runs one forward in a fresh subprocess (``--worker``): after the model
 and inputs are built its peak resident set is restarted (``/proc/self/clear_refs``) and the forward's
-peak (``VmHWM``: interpreter, torch and weights included) and the resident set before it are reported.
+peak (``VmHWM``: interpreter, torch and weights included), the resident set before it and their difference
+(``forward_gib``: what the forward itself adds; the library's process also holds transformers and triton,
+imported by ``poslsh.integrations.hf``, which the baseline's does not) are reported.
 
 Run: ``python benchmarks/bench_encoders.py [--layers 2] [--rounds 3] [--skip-32k] [--out results/encoders/bench.json]``.
 """
@@ -95,7 +97,9 @@ def worker(method: str, name: str, ckpt: Path) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         fn(ids, mask)
-    return {"seconds": time.perf_counter() - t0, "peak_gib": rss("VmHWM") / GIB, "before_gib": before / GIB}
+    peak = rss("VmHWM")
+    return {"seconds": time.perf_counter() - t0, "peak_gib": peak / GIB, "before_gib": before / GIB,
+            "forward_gib": (peak - before) / GIB}
 
 
 def run_worker(method: str, name: str, ckpt: Path) -> dict:

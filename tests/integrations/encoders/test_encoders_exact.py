@@ -90,6 +90,21 @@ def test_a_row_alone_equals_the_row_in_a_padded_batch(tmp_path, layout):
         assert float((alone[0] - batch[r, :n]).abs().max()) <= 1e-12
 
 
+@pytest.mark.parametrize("layout", ["mosaic", "jina-qk-norm"])
+def test_the_feed_forward_runs_in_blocks_at_inference(tmp_path, monkeypatch, layout):
+    """Eval under no_grad: the ``[nnz, 2I]`` intermediate never exists whole (blocks of FEED_FORWARD_ROWS
+    tokens, one a remainder), and the answer is the original's (float64, 1e-10)."""
+    from poslsh.integrations.hf.encoders import layers
+    monkeypatch.setattr(layers, "FEED_FORWARD_ROWS", 50)
+    d, cfg, st = R.checkpoint(tmp_path, layout, hidden=16, heads=4, intermediate=200)
+    model = load_alibi_encoder(d, dtype=torch.float64)
+    ids, mask, tt = R.padded_batch([300, 7, 120], cfg["vocab_size"], seed=5)
+    with LargestTensor() as watch:
+        h = model(ids, mask, tt).last_hidden_state
+    assert watch.largest < 427 * 2 * 200 // 4                          # a quarter of the whole intermediate
+    assert _valid_diff(h, R.reference(layout, cfg, st, ids, mask, tt)["last_hidden_state"], mask) <= 1e-10
+
+
 def test_a_long_input_builds_nothing_of_n_by_n(tmp_path):
     d, cfg, st = R.checkpoint(tmp_path, "mosaic", hidden=16, heads=4, intermediate=24)
     model = load_alibi_encoder(d)

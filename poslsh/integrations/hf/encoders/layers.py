@@ -24,7 +24,12 @@ from .attention import EncoderAlibi
 from .family import EncoderConfig
 from .tokens import Tokens
 
-__all__ = ["Embeddings", "EncoderLayer", "Encoder", "Pooler", "activation"]
+__all__ = ["Embeddings", "EncoderLayer", "Encoder", "Pooler", "activation", "FEED_FORWARD_ROWS"]
+
+# Tokens per block of the feed-forward at inference. Its ``[nnz, 2I]`` intermediate is the largest tensor a
+# layer makes (float32, DNABERT-2: 24 KiB a token, 0.8 GB at 32k tokens); a block of 1024 is 25 MB, and a
+# product of 1024 rows runs at the full-size product's rate.
+FEED_FORWARD_ROWS = 1024
 
 
 def activation(name: str):
@@ -162,9 +167,22 @@ class EncoderLayer(nn.Module):
         """``[nnz, hidden]`` -> ``[nnz, hidden]``."""
         a = self.attention(x, tokens)
         if not self.qk_norm:
-            return self.mlp(a)
+            return self._by_rows(self.mlp, a)
         r = self.layer_norm_1(x + a)
-        return self.layer_norm_2(r + self.mlp(r))
+        return self._by_rows(lambda rows: self.layer_norm_2(rows + self.mlp(rows)), r)
+
+    def _by_rows(self, feed_forward, x: Tensor) -> Tensor:
+        """``feed_forward(x)`` (row by row, token-wise), in blocks of :data:`FEED_FORWARD_ROWS` tokens when
+        nothing is kept for a backward and no dropout draws (eval under ``no_grad``): each block's intermediate
+        is freed before the next. With autograd the blocks' intermediates would all be kept anyway, and a
+        compiled graph plans its own buffers, so there the whole runs at once."""
+        n = x.shape[0]
+        if n <= FEED_FORWARD_ROWS or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return feed_forward(x)
+        out = torch.empty_like(x)
+        for i in range(0, n, FEED_FORWARD_ROWS):
+            out[i:i + FEED_FORWARD_ROWS] = feed_forward(x[i:i + FEED_FORWARD_ROWS])
+        return out
 
 
 class Encoder(nn.Module):
