@@ -20,7 +20,6 @@ contexts 64 and 128. Rows go to ``<out>/results.md`` / ``results.csv``; exit sta
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import warnings
@@ -29,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from gpu_common import rel_error, synchronize  # noqa: E402  (puts the repository on sys.path)
-from gpu_models import DRY, GPU, _attempt, _config, _describe, _ids, transformers_problem  # noqa: E402
+from gpu_models import DRY, GPU, _attempt, _config, _describe, _ids, run_stage, stage_arguments  # noqa: E402
 from gpu_rows import Recorder  # noqa: E402
 import bench_decode_models as bench  # noqa: E402
 
@@ -149,20 +148,8 @@ def decode(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder of results.md / results.csv")
-    p.add_argument("--stage", default="decode", help="the stage name in the rows")
-    p.add_argument("--dry-run", action="store_true", help="CPU, float32, a tiny BLOOM")
-    args = p.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_decode: no CUDA GPU here; use --dry-run for the CPU code path", file=sys.stderr)
-        return 2
-    why = transformers_problem()
-    if why:
-        Recorder(args.out, args.stage).row("long-context decoding", "unavailable", detail=why)
-        return 0
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return decode(args)
+    args = stage_arguments(__doc__, "decode", "CPU, float32, a tiny BLOOM", argv)
+    return run_stage(args, "gpu_decode", "long-context decoding", decode)
 
 
 if __name__ == "__main__":

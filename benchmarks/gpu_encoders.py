@@ -15,7 +15,6 @@ when a check fails.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Tuple
 import torch
 
 from gpu_common import rel_error, synchronize  # noqa: E402  (puts the repository on sys.path)
-from gpu_models import _attempt, transformers_problem  # noqa: E402
+from gpu_models import _attempt, run_stage, stage_arguments  # noqa: E402
 from gpu_rows import Recorder  # noqa: E402
 from encoders_dense import dense_forward, random_state, write_checkpoint  # noqa: E402
 
@@ -137,20 +136,8 @@ def encoders(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder of results.md / results.csv")
-    p.add_argument("--stage", default="encoders", help="the stage name in the rows")
-    p.add_argument("--dry-run", action="store_true", help="CPU, float32, a tiny encoder")
-    args = p.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_encoders: no CUDA GPU here; use --dry-run for the CPU code path", file=sys.stderr)
-        return 2
-    why = transformers_problem()
-    if why:
-        Recorder(args.out, args.stage).row("ALiBi encoders", "unavailable", detail=why)
-        return 0
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return encoders(args)
+    args = stage_arguments(__doc__, "encoders", "CPU, float32, a tiny encoder", argv)
+    return run_stage(args, "gpu_encoders", "ALiBi encoders", encoders)
 
 
 if __name__ == "__main__":

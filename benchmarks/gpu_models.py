@@ -272,24 +272,37 @@ def cache(args, sh: Shape) -> int:
     return 1 if rec.failures else 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["models", "cache"])
-    p.add_argument("--out", required=True, help="folder of results.md / results.csv")
-    p.add_argument("--stage", default=None, help="the stage name in the rows (default: the subcommand)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, float32, a tiny BLOOM")
-    args = p.parse_args(argv)
-    args.stage = args.stage or args.what
+def run_stage(args, prog: str, item: str, run) -> int:
+    """``run(args)`` of one GPU stage's command line (``--out``, ``--stage``, ``--dry-run``): without CUDA and
+    without ``--dry-run`` one line saying so (exit 2); transformers that cannot serve the stage one
+    ``unavailable`` row naming ``item``."""
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_models: no CUDA GPU here; use --dry-run for the CPU code path", file=sys.stderr)
+        print(f"{prog}: no CUDA GPU here; use --dry-run for the CPU code path", file=sys.stderr)
         return 2
     why = transformers_problem()
     if why:
-        Recorder(args.out, args.stage).row("patched BLOOM" if args.what == "models" else "per-head cache",
-                                           "unavailable", detail=why)
+        Recorder(args.out, args.stage).row(item, "unavailable", detail=why)
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False      # the oracles are float64; nothing relies on tf32
-    return {"models": models, "cache": cache}[args.what](args, DRY if args.dry_run else GPU)
+    return run(args)
+
+
+def stage_arguments(doc: str, stage: str, dry_run: str, argv=None, what=None):
+    """The arguments of a GPU stage's command line (``what``: the choices of a leading subcommand)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if what:
+        p.add_argument("what", choices=what)
+    p.add_argument("--out", required=True, help="folder of results.md / results.csv")
+    p.add_argument("--stage", default=stage, help="the stage name in the rows (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = stage_arguments(__doc__, None, "CPU, float32, a tiny BLOOM", argv, what=["models", "cache"])
+    args.stage = args.stage or args.what
+    return run_stage(args, "gpu_models", "patched BLOOM" if args.what == "models" else "per-head cache",
+                     lambda a: {"models": models, "cache": cache}[a.what](a, DRY if a.dry_run else GPU))
 
 
 if __name__ == "__main__":
