@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
 import torch
 
-from gpu_common import rel_error, synchronize  # noqa: E402  (puts the repository on sys.path)
-from gpu_models import _attempt, run_stage, stage_arguments  # noqa: E402
+from gpu_common import rel_error  # noqa: E402  (puts the repository on sys.path)
+from gpu_models import _attempt, run_stage, stage_arguments, timed  # noqa: E402
 from gpu_rows import Recorder  # noqa: E402
 from encoders_dense import dense_forward, random_state, write_checkpoint  # noqa: E402
 
@@ -70,22 +69,6 @@ def _batch(sh: Shape, lengths, seed: int = 0):
     return (ids * mask).to(sh.device), mask.to(sh.device)
 
 
-def _timed(fn, sh: Shape):
-    """``(output, seconds, peak MiB above what was allocated before; None on the CPU)``."""
-    cuda = sh.device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = fn()
-    synchronize(sh.device)
-    secs = time.perf_counter() - t
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if cuda else None
-    return out, secs, peak
-
-
 def encoders(args) -> int:
     from poslsh.integrations.hf import load_alibi_encoder
 
@@ -125,8 +108,8 @@ def encoders(args) -> int:
             for method in ("dense", "exact", "certified"):
                 fn = (lambda: dense_forward("mosaic", cfg, lowp, ids, mask)["last_hidden_state"]) if method == "dense" \
                     else (lambda m=models[method]: m(ids, mask).last_hidden_state)
-                _timed(fn, sh)                                                   # warm-up
-                _, secs, peak = _timed(fn, sh)
+                timed(fn, sh.device)                                                   # warm-up
+                _, secs, peak = timed(fn, sh.device)
                 rec.row(f"{method} forward time", "ok", 1e3 * secs, "ms", n=L,
                         detail=f"one row, {sh.layers} layers" + ("" if peak is None else f"; peak {peak:.0f} MiB"))
                 if sh.device == "cuda":

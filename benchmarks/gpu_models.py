@@ -101,19 +101,24 @@ def _describe(sh: Shape, what: str) -> str:
             f"transformers {transformers.__version__} ({_where(transformers)})")
 
 
-def _forward(model, ids, sh: Shape):
-    """``(last hidden state, seconds, peak MiB above what was allocated before; None on the CPU)``."""
-    cuda = sh.device == "cuda"
+def timed(fn, device: str):
+    """``(fn()'s output under no_grad, seconds, peak MiB above what was allocated before; None on the CPU)``."""
+    cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=False).last_hidden_state
-    synchronize(sh.device)
+        out = fn()
+    synchronize(device)
     secs = time.perf_counter() - t0
     return out, secs, (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if cuda else None
+
+
+def _forward(model, ids, sh: Shape):
+    """``(last hidden state, seconds, peak MiB)``: :func:`timed` of the base model's forward."""
+    return timed(lambda: model(input_ids=ids, use_cache=False).last_hidden_state, sh.device)
 
 
 def _mean_window(model) -> float:
